@@ -1,0 +1,147 @@
+"""Configuration: one dataclass per concern, each validated once in `__post_init__`.
+
+1. `ModelConfig` is read from a Hugging Face `config.json` and normalised so the model code sees one shape
+   of config for every supported `model_type` (Llama, Mistral, Qwen2, Qwen3).
+2. `CacheConfig` sizes the paged KV cache; `SchedulerConfig` fixes slots and prefill buckets, so every
+   array shape is known at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v (Qwen2 always; Llama when configured)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} must be a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3, linear")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        # Newer transformers write rope settings under `rope_parameters`; older ones use rope_theta/rope_scaling.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params else None)
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling["rope_type"] = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        # Qwen2/3 carry a sliding_window value even when it is switched off by use_sliding_window.
+        sliding_window = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
+            o_proj_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "float32",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{config_file} not found: --model must be a Hugging Face model directory")
+        return cls.from_hf_dict(json.loads(config_file.read_text()))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 512  # page 0 included (reserved null page)
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8  # decode slots
+    max_model_len: int = 2048  # prompt + completion, per sequence
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)  # chunk lengths; a longer prompt is prefilled in chunks
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
+            raise ValueError(f"prefill_buckets must be strictly increasing, got {self.prefill_buckets}")
+
+    @property
+    def max_prefill_chunk(self) -> int:
+        return self.prefill_buckets[-1]
+
+    def bucket_for(self, num_tokens: int) -> int:
+        """Smallest bucket that holds `num_tokens` (callers chunk to at most the largest bucket)."""
+        return next(b for b in self.prefill_buckets if b >= num_tokens)

@@ -1,0 +1,109 @@
+"""Sampling: request parameters on the host, one vectorised sampler on device.
+
+1. `SamplingParams` validates a request's settings once (a `ValueError` naming the parameter).
+2. The runner packs every slot's settings into `SamplingArrays` (fixed [max_slots] arrays), so any mix
+   of greedy and sampled requests runs the same compiled program.
+3. `sample` applies temperature, top-k, top-p and min-p per row and draws with a key derived from the
+   request's seed and the index of the token being drawn — so a seeded request gives the same tokens
+   whatever else shares the batch, and rows with temperature 0 take the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    max_tokens: int | None = 16  # None = up to the context length
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] | str | None = None  # stop strings (not included in the output)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved_seed(self) -> int:
+        """The seed to draw with: the request's, or a fresh random one (unseeded requests differ)."""
+        return self.seed if self.seed is not None else secrets.randbits(63)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: jax.Array  # [slots] float32; 0 = greedy
+    top_k: jax.Array  # [slots] int32; 0 = off
+    top_p: jax.Array  # [slots] float32
+    min_p: jax.Array  # [slots] float32
+    seed: jax.Array  # [slots, 2] uint32: the request seed's high and low 32 bits
+    step: jax.Array  # [slots] int32: index of the token being drawn within its request
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """logits [slots, vocab] float32 -> token ids [slots] int32."""
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The sort below costs a vocab-sized sort per row: skip it when every row is greedy.
+    return jax.lax.cond(jnp.any(params.temperature > 0),
+                        lambda: jnp.where(params.temperature > 0, _sample_filtered(logits, params), greedy_tokens),
+                        lambda: greedy_tokens)
+
+
+def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    vocab = logits.shape[-1]
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    # One descending sort serves top-k, top-p and min-p; the draw happens over sorted positions.
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass before it is short.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < params.top_p[:, None]
+    keep &= probs >= params.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def draw(seed, step, row):
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
+        return jax.random.categorical(key, row)
+
+    picked = jax.vmap(draw)(params.seed, params.step, masked)
+    return jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
