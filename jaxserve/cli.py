@@ -1,0 +1,86 @@
+"""Command line: `jaxserve generate ...` (offline, one prompt) and `jaxserve serve ...` (HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from jaxserve.engine_args import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs, help="decode slots")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--page-size", type=int, default=EngineArgs.page_size, help="tokens per KV page")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
+    g.add_argument("--prefill-buckets", default=None,
+                   help="comma-separated prefill chunk lengths (default: 16,32,...,512)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    if kwargs.get("prefill_buckets"):
+        kwargs["prefill_buckets"] = tuple(int(b) for b in kwargs["prefill_buckets"].split(","))
+    return EngineArgs(**kwargs)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
+
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                            max_tokens=ns.max_tokens, seed=ns.seed)
+    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+    output = llm.generate([ns.prompt], params)[0].outputs[0]
+    sys.stdout.write(output.text + "\n")
+    logging.getLogger("jaxserve").info("%d tokens, finish_reason=%s", len(output.token_ids), output.finish_reason)
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from server.app import serve
+    serve(engine_args_from(ns), host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
+                     help="JAX persistent compilation cache ('' to disable)")
+    srv.set_defaults(func=_serve)
+
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"jaxserve: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The engine: tokenizer + scheduler + model runner, advanced one iteration at a time.
+
+1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
+   before anything is allocated) and queues it. Additions and aborts from other threads land in an
+   inbox that the next `step` drains, so only the engine thread ever mutates scheduler state.
+2. `step` asks the scheduler for a plan, runs at most one prefill chunk and one decode step on device,
+   then advances every request in one place: append the token, detokenize incrementally, check stop
+   conditions (EOS ids, stop_token_ids, stop strings, max_tokens, context length), free what finished.
+3. It returns a `RequestOutput` per request that progressed, carrying the newly final text (for
+   streaming) and the cumulative result (for the offline API).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import jax
+
+from jaxserve.engine_args import EngineArgs, build_model
+from jaxserve.kv_cache import pages_needed
+from jaxserve.runner import ModelRunner, SlotSampling
+from jaxserve.sampling import SamplingParams
+from jaxserve.scheduler import Plan, Request, Scheduler, Status
+from jaxserve.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the EOS/stop token id or stop string that ended it
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_text: str = ""  # text that became final in this step (for streaming)
+    new_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt: str | None = None
+
+
+class _Tracked:
+    """Engine-side companions of a request: its detokenizer and stop-string state."""
+
+    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, prompt: str | None):
+        self.request = request
+        self.detokenizer = detokenizer
+        self.prompt = prompt
+        self.text = ""  # emitted text, stop strings excluded
+        self.held = ""  # text withheld because it might be the start of a stop string
+        self.stop_reason: int | str | None = None
+
+
+class CompileCounter:
+    """Counts XLA programs lowered in this process (each new jitted shape is one)."""
+
+    _EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    _lock = threading.Lock()
+    count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._installed:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._installed = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **_) -> None:
+        if event == cls._EVENT:
+            cls.count += 1
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        CompileCounter.install()
+        self.args = args
+        built = build_model(args)
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer
+        self.model_name = built.name
+        self.scheduler_config = built.scheduler_config
+        self.cache_config = built.cache_config
+        self.runner = ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config,
+                                  built.attention, built.dtype)
+        self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self.compilations_at_warmup: int | None = None
+        self.stats = EngineStats()
+        logger.info("model %s: %s, %d layers, dtype %s, attention %s, KV cache %d pages x %d tokens "
+                    "(%.1f MB), %d slots, max_model_len %d", self.model_name, self.model_config.model_type,
+                    self.model_config.num_layers, built.dtype.__name__ if hasattr(built.dtype, "__name__")
+                    else built.dtype, built.attention.name, self.cache_config.num_pages,
+                    self.cache_config.page_size, self.runner.kv_cache.num_bytes / 1e6,
+                    self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+
+    # ---- warm-up and compile accounting -------------------------------------------------------------
+
+    def warmup(self) -> float:
+        seconds = self.runner.warmup()
+        self.compilations_at_warmup = CompileCounter.count
+        return seconds
+
+    @property
+    def compilations_since_warmup(self) -> int:
+        if self.compilations_at_warmup is None:
+            return 0
+        return CompileCounter.count - self.compilations_at_warmup
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the parameter; allocates nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+        limit = self.scheduler_config.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the model's context length "
+                             f"(max_model_len) is {limit}: it must leave room for at least one new token")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> str:
+        """Validate and queue a request (thread-safe). Returns its id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        max_len = self.scheduler_config.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        request = Request(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                          seed=params.resolved_seed(), max_len=max_len)
+        detokenizer = self.tokenizer.new_detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
+        self._inbox.put(("add", _Tracked(request, detokenizer, prompt)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its slot and pages are freed at the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked) or not self._inbox.empty()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                self._tracked[item.request.request_id] = item
+                self.scheduler.add(item.request)
+            elif item in self._tracked:
+                tracked = self._tracked[item]
+                self._finish(tracked, "abort")
+                outputs.append(self._output(tracked, "", []))
+
+    # ---- the iteration ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return outputs
+        new_tokens: dict[Request, int] = {}
+        if plan.prefill is not None:
+            new_tokens.update(self._run_prefill(plan))
+        if any(plan.decode):
+            new_tokens.update(self._run_decode(plan))
+        for request, token in new_tokens.items():
+            outputs.append(self._advance(self._tracked[request.request_id], token))
+        return outputs
+
+    def _sampling_row(self, request: Request) -> SlotSampling:
+        p = request.params
+        return SlotSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                            seed=request.seed, step=len(request.output_ids))
+
+    def _run_prefill(self, plan: Plan) -> dict[Request, int]:
+        work = plan.prefill
+        token, _ = self.runner.prefill(work.token_ids, work.start, work.request.pages,
+                                       self._sampling_row(work.request))
+        self.stats.prompt_tokens += len(work.token_ids)
+        appended = self.scheduler.update_prefill(work, token)
+        return {work.request: token} if appended else {}
+
+    def _run_decode(self, plan: Plan) -> dict[Request, int]:
+        slots = [(r.all_ids[-1], r.num_computed, r.pages, self._sampling_row(r)) if r is not None else None
+                 for r in plan.decode]
+        tokens, _ = self.runner.decode(slots)
+        result = {}
+        for request, token in zip(plan.decode, tokens):
+            if request is not None:
+                self.scheduler.update_decode(request, int(token))
+                result[request] = int(token)
+        return result
+
+    def _advance(self, tracked: _Tracked, token: int) -> RequestOutput:
+        request = tracked.request
+        params = request.params
+        self.stats.generation_tokens += 1
+        finish_reason = None
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            finish_reason, tracked.stop_reason = "stop", token
+        elif token in params.stop_token_ids:
+            finish_reason, tracked.stop_reason = "stop", token
+        # EOS / stop tokens end the text without appearing in it.
+        piece = tracked.detokenizer.add(token) if finish_reason is None else ""
+        if finish_reason is None and len(request.all_ids) >= request.max_len:
+            finish_reason = "length"
+        if finish_reason is not None:
+            piece += tracked.detokenizer.flush()
+        new_text = self._apply_stop_strings(tracked, piece, final=finish_reason is not None)
+        if tracked.stop_reason is not None and finish_reason is None:
+            finish_reason = "stop"  # a stop string matched
+        if finish_reason is not None:
+            self._finish(tracked, finish_reason)
+        return self._output(tracked, new_text, [token])
+
+    def _apply_stop_strings(self, tracked: _Tracked, piece: str, final: bool) -> str:
+        """Append `piece`, cutting at the first stop string; hold back a possible stop-string prefix."""
+        stops = tracked.request.params.stop
+        if not stops:
+            tracked.text += piece
+            return piece
+        pending = tracked.held + piece
+        hits = [(pending.find(s), s) for s in stops if s in pending]
+        if hits:
+            cut, stop = min(hits)
+            emitted, tracked.held, tracked.stop_reason = pending[:cut], "", stop
+        elif final:
+            emitted, tracked.held = pending, ""
+        else:
+            keep = max(len(s) - 1 for s in stops)
+            # Withhold only a suffix that could still grow into a stop string.
+            hold = next((n for n in range(min(keep, len(pending)), 0, -1)
+                         if any(s.startswith(pending[-n:]) for s in stops)), 0)
+            emitted, tracked.held = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        tracked.text += emitted
+        return emitted
+
+    def _finish(self, tracked: _Tracked, reason: str) -> None:
+        self.scheduler.finish(tracked.request, reason)
+        del self._tracked[tracked.request.request_id]
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _output(self, tracked: _Tracked, new_text: str, new_token_ids: list[int]) -> RequestOutput:
+        r = tracked.request
+        completion = CompletionOutput(index=0, text=tracked.text, token_ids=list(r.output_ids),
+                                      finish_reason=r.finish_reason, stop_reason=tracked.stop_reason)
+        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_ids, outputs=[completion],
+                             finished=r.status is Status.FINISHED, new_text=new_text,
+                             new_token_ids=new_token_ids, prompt=tracked.prompt)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    prompt_tokens: int = 0  # prefilled tokens (recomputation after preemption included)
+    generation_tokens: int = 0
+    finished: dict = dataclasses.field(default_factory=dict)
+    started: float = dataclasses.field(default_factory=time.time)

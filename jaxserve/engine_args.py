@@ -1,0 +1,102 @@
+"""Engine options (shared by the CLI, the server and the offline `LLM` API) and model construction.
+
+1. `EngineArgs` holds what a user sets; `build_model` resolves it against the checkpoint: dtype, context
+   length, KV page pool, prefill buckets, attention backend.
+2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
+   weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
+   says what it is; its text is noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+
+from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.kv_cache import pages_needed
+from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights import load_model, random_model, resolve_dtype
+from pallas_kernels import AttentionBackend, select_attention_backend
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "jaxserve-demo-random"
+
+
+def demo_model_config() -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=Tokenizer.byte_level().vocab_size, hidden_size=128,
+                       intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None  # Hugging Face directory; None = the built-in demo model
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    page_size: int = 16
+    num_pages: int | None = None  # default: enough for every slot at full context
+    prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
+    attention_backend: str = "auto"
+    demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
+
+    def __post_init__(self):
+        if self.model is not None and not Path(self.model).is_dir():
+            raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    name: str
+    model: object
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    dtype: object
+    attention: AttentionBackend
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+
+
+def default_buckets(max_model_len: int) -> tuple[int, ...]:
+    buckets, b = [], 16
+    while b < min(max_model_len, 512):
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets + [min(b, 512)])
+
+
+def build_model(args: EngineArgs) -> BuiltModel:
+    attention = select_attention_backend(args.attention_backend)
+    if args.model is None:
+        config = demo_model_config()
+        dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
+        logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
+                       "tokenizer; its output is noise)", DEMO_MODEL_NAME)
+        model, tokenizer, name = random_model(config, dtype, args.demo_weights_seed), Tokenizer.byte_level(), DEMO_MODEL_NAME
+    else:
+        config = ModelConfig.from_pretrained(args.model)
+        dtype = resolve_dtype(args.dtype, config)
+        tokenizer = Tokenizer.from_pretrained(args.model)
+        model = load_model(args.model, config, dtype)
+        name = Path(args.model).resolve().name
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                       prefill_buckets=args.prefill_buckets or default_buckets(max_model_len))
+    full_context_pages = pages_needed(max_model_len, args.page_size)
+    num_pages = args.num_pages or args.max_num_seqs * full_context_pages + 1
+    if num_pages - 1 < full_context_pages:
+        raise ValueError(f"num_pages {num_pages} cannot hold even one full-context sequence "
+                         f"({full_context_pages} pages of {args.page_size} tokens + the null page)")
+    logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
+                jax.numpy.dtype(dtype).name, attention.name)
+    return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
+                      tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
+                      cache_config=CacheConfig(page_size=args.page_size, num_pages=num_pages))

@@ -1,0 +1,70 @@
+"""Offline inference in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+It runs on the same engine and scheduler as the server: all prompts are queued at once and batched
+continuously, and the results come back in prompt order.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.engine import Engine, RequestOutput
+from jaxserve.engine_args import EngineArgs
+from jaxserve.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        """`model`: a Hugging Face model directory (None: the built-in demo model). Other keyword
+        arguments are `EngineArgs` fields: dtype, max_num_seqs, max_model_len, page_size, num_pages,
+        prefill_buckets, attention_backend."""
+        self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
+        self.engine.warmup()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        tokenizer = self.engine.tokenizer
+        encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
+        for (_, ids), params in zip(encoded, sampling_params):
+            self.engine.validate(ids, params)
+        return self._run([self.engine.add_request(ids, params, prompt=text)
+                          for (text, ids), params in zip(encoded, sampling_params)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                                  chat_template=chat_template),
+                                    add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+            while len(final) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        bar.update()
+        return [final[i] for i in request_ids]

@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+# Tests run on the CPU; asking for it up front keeps JAX from probing for accelerators.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real stories260K checkpoint, read in place from ../shared/models (never copied)."""
+    return Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+         "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
+
+
+@pytest.fixture(scope="session")
+def story_text() -> str:
+    """The documented greedy continuation of stories260K from the bare BOS prompt (shared/models/README.md)."""
+    return STORY
+
+
+@pytest.fixture(scope="session")
+def stories_llm(stories_dir):
+    """One warmed-up offline engine over stories260K, shared by the tests that only read from it."""
+    from jaxserve import LLM
+    return LLM(str(stories_dir), max_num_seqs=4, prefill_buckets=(16, 64))

@@ -1,0 +1,174 @@
+"""Engine and scheduler behaviour driven by a scripted fake runner (no model math).
+
+Each request's seed names its script: the fake runner answers the i-th sampled token of a request with
+`scripts[seed][i]`, so tests control exactly what "the model" says and when.
+"""
+
+import numpy as np
+import pytest
+
+from jaxserve import Engine, EngineArgs, SamplingParams
+from jaxserve.kv_cache import pages_needed
+
+
+class FakeRunner:
+    def __init__(self, scripts, max_num_seqs):
+        self.scripts = scripts
+        self.max_num_seqs = max_num_seqs
+        self.prefill_calls = []  # (seed, start, n)
+        self.decode_calls = []  # number of active slots per call
+
+    def _token(self, sampling):
+        script = self.scripts[sampling.seed]
+        return script[sampling.step] if sampling.step < len(script) else 500
+
+    def prefill(self, token_ids, start, pages, sampling, all_logits=False):
+        assert len(pages) >= pages_needed(start + len(token_ids), 4)
+        self.prefill_calls.append((sampling.seed, start, len(token_ids)))
+        return self._token(sampling), None
+
+    def decode(self, slots, with_logits=False):
+        assert len(slots) == self.max_num_seqs
+        self.decode_calls.append(sum(s is not None for s in slots))
+        out = np.zeros(len(slots), np.int32)
+        for i, slot in enumerate(slots):
+            if slot is not None:
+                _, position, pages, sampling = slot
+                assert position // 4 < len(pages), "decode position has no page"
+                out[i] = self._token(sampling)
+        return out, None
+
+
+@pytest.fixture
+def make_engine(stories_dir):
+    def make(scripts, max_num_seqs=4, num_pages=None, max_model_len=64, buckets=(8, 16)):
+        engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=max_num_seqs, page_size=4,
+                                   num_pages=num_pages, max_model_len=max_model_len, prefill_buckets=buckets))
+        engine.runner = FakeRunner(scripts, max_num_seqs)
+        return engine
+    return make
+
+
+def run_all(engine, requests):
+    ids = [engine.add_request(p, params) for p, params in requests]
+    final = {}
+    for _ in range(10_000):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished():
+            break
+    return [final[i] for i in ids]
+
+
+def params(seed, **kw):
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=kw.pop("max_tokens", 50), **kw)
+
+
+# "Once upon a time" continues ", there was a little g" = 432 383 286 261 376 298
+STORY = [432, 383, 286, 261, 376, 298]
+
+
+@pytest.mark.parametrize("eos", [1, 2])
+def test_stops_on_each_eos_id(make_engine, eos):
+    engine = make_engine({7: STORY[:3] + [eos] + STORY[3:]})
+    out = run_all(engine, [([1, 403, 407, 261, 378], params(7))])[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == eos
+    assert out.token_ids == STORY[:3] + [eos]
+    assert out.text == ", there was"  # the EOS token adds no text
+
+
+def test_ignore_eos_and_stop_token_ids(make_engine):
+    engine = make_engine({7: STORY[:2] + [2] + STORY[2:]})
+    out = run_all(engine, [([1, 403], params(7, ignore_eos=True, stop_token_ids=[261]))])[0].outputs[0]
+    assert out.token_ids == STORY[:2] + [2, 286, 261]
+    assert out.finish_reason == "stop" and out.stop_reason == 261
+
+
+def test_stop_string_cuts_text_even_across_tokens(make_engine):
+    engine = make_engine({7: STORY})
+    out = run_all(engine, [([1, 403, 407, 261, 378], params(7, stop=["re was"]))])[0].outputs[0]
+    assert out.text == ", the"
+    assert out.finish_reason == "stop" and out.stop_reason == "re was"
+
+
+def test_streamed_pieces_concatenate_to_final_text(make_engine):
+    engine = make_engine({7: STORY})
+    rid = engine.add_request([1, 403, 407, 261, 378], params(7, max_tokens=6, stop=["xyz"]))
+    pieces, final = [], None
+    while engine.has_unfinished():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out
+    assert final.request_id == rid and final.outputs[0].finish_reason == "length"
+    assert "".join(pieces) == final.outputs[0].text == ", there was a little g"
+
+
+def test_max_tokens_and_context_length(make_engine):
+    engine = make_engine({1: STORY * 20, 2: STORY * 20}, max_model_len=20)
+    by_tokens, by_context = run_all(engine, [([1, 403], params(1, max_tokens=5)),
+                                             ([1] * 15, params(2, max_tokens=None))])
+    assert len(by_tokens.outputs[0].token_ids) == 5 and by_tokens.outputs[0].finish_reason == "length"
+    assert len(by_context.outputs[0].token_ids) == 5 and by_context.outputs[0].finish_reason == "length"
+
+
+def test_long_prompt_is_chunked_while_decode_continues(make_engine):
+    engine = make_engine({1: STORY * 10, 2: STORY}, max_model_len=64, buckets=(8,))
+    engine.add_request([1, 403], params(1, max_tokens=30))
+    engine.step()  # request 1 prefilled
+    engine.add_request([1] + [403] * 40, params(2, max_tokens=3))
+    decode_calls_before = len(engine.runner.decode_calls)
+    while engine.has_unfinished():
+        engine.step()
+    chunks = [c for c in engine.runner.prefill_calls if c[0] == 2]
+    assert [c[2] for c in chunks] == [8, 8, 8, 8, 8, 1]  # 41 tokens in chunks of the largest bucket
+    assert [c[1] for c in chunks] == [0, 8, 16, 24, 32, 40]
+    # Every one of those chunk iterations also ran a decode step for request 1.
+    assert len(engine.runner.decode_calls) - decode_calls_before >= len(chunks)
+
+
+def test_preemption_under_page_pressure_completes_everything(make_engine):
+    # 8 slots but only 12 usable pages of 4 tokens: 8 requests needing ~6 pages each must take turns.
+    scripts = {s: [(s * 7 + i) % 400 + 3 for i in range(30)] for s in range(8)}
+    engine = make_engine(scripts, max_num_seqs=8, num_pages=13, max_model_len=24)
+    outs = run_all(engine, [([1, 403, 407, 261], params(s, max_tokens=18)) for s in range(8)])
+    for s, out in enumerate(outs):
+        assert out.outputs[0].token_ids == scripts[s][:18]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.allocator.num_free == 12
+    assert engine.scheduler.num_free_slots == 8 and not engine.scheduler.waiting
+
+
+def test_abort_frees_slot_and_pages_at_next_step(make_engine):
+    engine = make_engine({1: STORY * 10, 2: STORY * 10})
+    a = engine.add_request([1, 403], params(1, max_tokens=40))
+    engine.add_request([1, 403, 407], params(2, max_tokens=5))
+    for _ in range(3):
+        engine.step()
+    engine.abort(a)
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == a]
+    assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+    assert engine.scheduler.num_free_slots == 4
+
+
+def test_abort_of_waiting_request(make_engine):
+    engine = make_engine({s: STORY for s in range(6)}, max_num_seqs=1)
+    ids = [engine.add_request([1, 403], params(s, max_tokens=4)) for s in range(3)]
+    engine.step()
+    engine.abort(ids[2])  # still queued behind the others
+    finished = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0].finish_reason
+    assert finished == {ids[0]: "length", ids[1]: "length", ids[2]: "abort"}
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
+    with pytest.raises(ValueError, match="num_pages"):
+        Engine(EngineArgs(model=str(stories_dir), page_size=4, num_pages=8, max_model_len=64))
