@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -23,7 +24,6 @@ from typing import Sequence
 import jax
 
 from jaxserve.engine_args import EngineArgs, build_model
-from jaxserve.kv_cache import pages_needed
 from jaxserve.runner import ModelRunner, SlotSampling
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Plan, Request, Scheduler, Status
@@ -102,6 +102,9 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self.compilations_at_warmup: int | None = None
         self.stats = EngineStats()
+        self.step_count = 0
+        # Steps between an abort() call and the step that freed the request: the latency tests assert on.
+        self.abort_latencies: collections.deque[int] = collections.deque(maxlen=1000)
         logger.info("model %s: %s, %d layers, dtype %s, attention %s, KV cache %d pages x %d tokens "
                     "(%.1f MB), %d slots, max_model_len %d", self.model_name, self.model_config.model_type,
                     self.model_config.num_layers, built.dtype.__name__ if hasattr(built.dtype, "__name__")
@@ -157,7 +160,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its slot and pages are freed at the next step."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(("abort", (request_id, self.step_count)))
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()
@@ -172,14 +175,18 @@ class Engine:
             if kind == "add":
                 self._tracked[item.request.request_id] = item
                 self.scheduler.add(item.request)
-            elif item in self._tracked:
-                tracked = self._tracked[item]
-                self._finish(tracked, "abort")
-                outputs.append(self._output(tracked, "", []))
+            else:
+                request_id, asked_at_step = item
+                tracked = self._tracked.get(request_id)
+                if tracked is not None:
+                    self._finish(tracked, "abort")
+                    self.abort_latencies.append(self.step_count - asked_at_step)
+                    outputs.append(self._output(tracked, "", []))
 
     # ---- the iteration ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.step_count += 1
         outputs = self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan.empty:

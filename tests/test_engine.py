@@ -172,3 +172,17 @@ def test_abort_of_waiting_request(make_engine):
 def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
     with pytest.raises(ValueError, match="num_pages"):
         Engine(EngineArgs(model=str(stories_dir), page_size=4, num_pages=8, max_model_len=64))
+
+
+def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
+    # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
+    from jaxserve.runner import SlotSampling
+    engine = stories_llm.engine
+    assert engine.compilations_at_warmup > 0
+    before = engine.compilations_since_warmup
+    pages = engine.scheduler.allocator.allocate(1)
+    try:
+        engine.runner.prefill([1, 403, 407], 0, pages, SlotSampling(), all_logits=True)  # a new variant
+    finally:
+        engine.scheduler.allocator.free(pages)
+    assert engine.compilations_since_warmup > before

@@ -1,0 +1,65 @@
+"""Prometheus metrics under the `jaxserve:` prefix, in a registry per app (tests build several apps).
+
+Latency histograms and token counters are fed by the request handlers as tokens reach the client;
+state gauges (running, waiting, KV usage) and engine-owned counters (compilations since warm-up,
+preemptions) are read from the engine at scrape time, so they never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.async_engine import AsyncEngine, TokenTimer
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineStateCollector:
+    def __init__(self, async_engine: AsyncEngine):
+        self.async_engine = async_engine
+
+    def collect(self):
+        engine = self.async_engine.engine
+        ready = engine is not None and self.async_engine.ready.is_set()
+        scheduler = engine.scheduler if ready else None
+        running = GaugeMetricFamily("jaxserve:num_requests_running", "Requests holding a decode slot")
+        waiting = GaugeMetricFamily("jaxserve:num_requests_waiting", "Requests queued for a slot or pages")
+        usage = GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)")
+        compiles = CounterMetricFamily("jaxserve:compilations", "XLA compilations since warm-up ended")
+        preemptions = CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted for KV pages")
+        running.add_metric([], len(scheduler.running) if scheduler else 0)
+        waiting.add_metric([], len(scheduler.waiting) if scheduler else 0)
+        usage.add_metric([], scheduler.kv_usage() if scheduler else 0.0)
+        compiles.add_metric([], engine.compilations_since_warmup if ready else 0)
+        preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
+        yield from (running, waiting, usage, compiles, preemptions)
+
+
+class Metrics:
+    def __init__(self, async_engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between tokens of a request",
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("jaxserve:request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        r.register(_EngineStateCollector(async_engine))
+
+    def observe_request(self, timer: TokenTimer, finish_reason: str | None) -> None:
+        if timer.first_token is not None:
+            self.ttft.observe(timer.first_token)
+        for gap in timer.gaps:
+            self.itl.observe(gap)
+        self.e2e.observe(timer.total)
+        self.requests.labels(finished_reason=finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

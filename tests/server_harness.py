@@ -1,0 +1,59 @@
+"""Run a real uvicorn server on 127.0.0.1 in a background thread, for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine_args import EngineArgs
+from server.app import build_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(args: EngineArgs, ready_timeout: float = 300):
+    async_engine = AsyncEngine(args)
+    async_engine.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine), host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise TimeoutError("server did not become healthy")
+        yield base, async_engine
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        async_engine.shutdown()
+
+
+def scrape(base: str) -> dict[str, float]:
+    """/metrics as {sample name: value}, label-free samples only."""
+    values = {}
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values

@@ -1,0 +1,50 @@
+"""The README's first command starts the server on the built-in default, and its curl example works."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server_harness import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_serve_command_and_curl_example(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    assert "./dev serve" in readme and "./dev test" in readme
+    curl = next(line for line in readme.splitlines() if line.startswith("curl ") and "/v1/completions" in line)
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([str(ROOT / "dev"), "serve", "--port", str(port), "--compilation-cache-dir",
+                             str(tmp_path / "xla")], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        result = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")], capture_output=True,
+                                text=True, timeout=60)
+        body = json.loads(result.stdout)
+        assert body["model"] == "jaxserve-demo-random"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 8
+        log.seek(0)
+        startup = log.read()
+        assert "built-in demo model" in startup
+        assert re.search(r"float32 weights, attention kernels: reference", startup)
+        assert "warm-up compiled" in startup
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
