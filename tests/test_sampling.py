@@ -1,0 +1,72 @@
+"""The on-device sampler: every setting per row, in one program, reproducible per seed."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve.runner import SlotSampling, pack_sampling
+from jaxserve.sampling import sample
+
+VOCAB = 16
+LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02] + [1e-9] * (VOCAB - 7), np.float32))
+
+sample_jit = jax.jit(sample)
+
+
+def draw(rows: list[SlotSampling], logits=LOGITS) -> np.ndarray:
+    batch = np.stack([logits] * len(rows))
+    return np.asarray(sample_jit(batch, pack_sampling(rows)))
+
+
+def draw_many(row: SlotSampling, n: int = 2000) -> np.ndarray:
+    """n draws of one setting: n rows with consecutive token indices (steps)."""
+    rows = [SlotSampling(**{**row.__dict__, "step": i}) for i in range(n)]
+    return draw(rows)
+
+
+def test_greedy_rows_take_the_argmax_next_to_sampled_rows():
+    logits = np.array(LOGITS)
+    logits[3] = 5.0
+    out = draw([SlotSampling(temperature=0), SlotSampling(temperature=1.0, seed=1), SlotSampling(temperature=0)],
+               logits)
+    assert out[0] == out[2] == 3
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = np.bincount(draw_many(SlotSampling(temperature=1.0, seed=3)), minlength=VOCAB) / 2000
+    np.testing.assert_allclose(counts[:4], [0.4, 0.25, 0.15, 0.1], atol=0.04)
+
+
+def test_low_temperature_sharpens():
+    counts = np.bincount(draw_many(SlotSampling(temperature=0.2, seed=3)), minlength=VOCAB) / 2000
+    assert counts[0] > 0.9
+
+
+def test_top_k_limits_the_support():
+    out = draw_many(SlotSampling(temperature=1.0, top_k=2, seed=5))
+    assert set(out.tolist()) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    out = draw_many(SlotSampling(temperature=1.0, top_p=0.6, seed=5))  # 0.4 + 0.25 >= 0.6
+    assert set(out.tolist()) == {0, 1}
+    assert set(draw_many(SlotSampling(temperature=1.0, top_p=0.01, seed=5)).tolist()) == {0}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    out = draw_many(SlotSampling(temperature=1.0, min_p=0.3, seed=5))  # keeps p >= 0.12: tokens 0, 1, 2
+    assert set(out.tolist()) == {0, 1, 2}
+
+
+def test_seed_and_step_fix_the_draw_whatever_the_batch():
+    row = SlotSampling(temperature=1.0, seed=1234, step=7)
+    alone = draw([row])[0]
+    crowd = draw([SlotSampling(temperature=0.5, seed=9), row, SlotSampling(temperature=0)])[1]
+    assert alone == crowd
+    seeds = {int(draw([SlotSampling(temperature=1.0, seed=s, step=7)])[0]) for s in range(40)}
+    assert len(seeds) > 2  # different seeds do differ
+
+
+@pytest.mark.parametrize("big_seed", [2**40 + 5, 2**63 - 1])
+def test_64_bit_seeds_are_accepted(big_seed):
+    assert 0 <= draw([SlotSampling(temperature=1.0, seed=big_seed)])[0] < VOCAB
