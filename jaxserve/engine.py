@@ -22,10 +22,11 @@ import uuid
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.engine_args import EngineArgs, build_model
 from jaxserve.runner import ModelRunner, SlotSampling
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Plan, Request, Scheduler, Status
 from jaxserve.tokenizer import IncrementalDetokenizer
 
@@ -107,9 +108,8 @@ class Engine:
         self.abort_latencies: collections.deque[int] = collections.deque(maxlen=1000)
         logger.info("model %s: %s, %d layers, dtype %s, attention %s, KV cache %d pages x %d tokens "
                     "(%.1f MB), %d slots, max_model_len %d", self.model_name, self.model_config.model_type,
-                    self.model_config.num_layers, built.dtype.__name__ if hasattr(built.dtype, "__name__")
-                    else built.dtype, built.attention.name, self.cache_config.num_pages,
-                    self.cache_config.page_size, self.runner.kv_cache.num_bytes / 1e6,
+                    self.model_config.num_layers, jnp.dtype(built.dtype).name, built.attention.name,
+                    self.cache_config.num_pages, self.cache_config.page_size, self.runner.kv_cache.num_bytes / 1e6,
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
 
     # ---- warm-up and compile accounting -------------------------------------------------------------
@@ -130,18 +130,19 @@ class Engine:
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter; allocates nothing."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidParameter("sampling_params",
+                                   f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
-            raise ValueError("prompt is empty: it must contain at least one token")
+            raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt contains token ids outside the vocabulary [0, {vocab})")
+            raise InvalidParameter("prompt", f"prompt contains token ids outside the vocabulary [0, {vocab})")
         limit = self.scheduler_config.max_model_len
         if len(prompt_ids) >= limit:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the model's context length "
+            raise InvalidParameter("prompt", f"prompt has {len(prompt_ids)} tokens but the model's context length "
                              f"(max_model_len) is {limit}: it must leave room for at least one new token")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+            raise InvalidParameter("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> str:

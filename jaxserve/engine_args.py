@@ -77,7 +77,8 @@ def build_model(args: EngineArgs) -> BuiltModel:
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
                        "tokenizer; its output is noise)", DEMO_MODEL_NAME)
-        model, tokenizer, name = random_model(config, dtype, args.demo_weights_seed), Tokenizer.byte_level(), DEMO_MODEL_NAME
+        model = random_model(config, dtype, args.demo_weights_seed)
+        tokenizer, name = Tokenizer.byte_level(), DEMO_MODEL_NAME
     else:
         config = ModelConfig.from_pretrained(args.model)
         dtype = resolve_dtype(args.dtype, config)

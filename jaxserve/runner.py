@@ -16,7 +16,6 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm

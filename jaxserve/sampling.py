@@ -18,6 +18,14 @@ import jax
 import jax.numpy as jnp
 
 
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `param` names it (the server reports it in the error body)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclasses.dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -33,19 +41,19 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == -1:
             self.top_k = 0
         if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k}")
+            raise InvalidParameter("top_k", f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+            raise InvalidParameter("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+            raise InvalidParameter("seed", f"seed must be a non-negative 64-bit integer, got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]

@@ -27,6 +27,7 @@ from starlette.routing import Route
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, TokenTimer
 from jaxserve.engine import RequestOutput
 from jaxserve.engine_args import EngineArgs
+from jaxserve.sampling import InvalidParameter
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
@@ -98,8 +99,8 @@ class OpenAIServer:
             try:
                 p = body.sampling_params(max_tokens)
                 self.engine.validate(ids, p)
-            except ValueError as e:
-                raise APIError(400, str(e), param=_guess_param(str(e))) from None
+            except InvalidParameter as e:
+                raise APIError(400, str(e), param=e.param) from None
             params.append(p)
         return params
 
@@ -289,13 +290,6 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
             yield "data: [DONE]\n\n"
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _guess_param(message: str) -> str | None:
-    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "prompt"):
-        if message.startswith(name) or f" {name} " in message:
-            return name
-    return "prompt" if "prompt" in message or "vocabulary" in message else None
 
 
 def build_app(async_engine: AsyncEngine) -> Starlette:
