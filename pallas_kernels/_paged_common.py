@@ -1,0 +1,103 @@
+"""Argument checks and padding shared by the Pallas paged-attention kernels.
+
+Every kernel wrapper does the same three things before its `pallas_call`:
+1. check the inputs against the reference contract (`validate_paged_inputs` plus the rank/batch checks the
+   reference leaves to `jnp`), raising `ValueError` that names the bad input;
+2. pick a static block of pages (`pages_per_block`) and pad the page table with the null page 0 to a
+   multiple of it, so a kernel never reads past the end of a table row;
+3. pad small dimensions (query-group rows, chunk length) to what the backend's matmul wants.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import MASK_VALUE, validate_paged_inputs
+
+__all__ = ["MASK_VALUE", "check_decode_args", "check_prefill_args", "check_options", "pick_pages_per_block",
+           "pad_page_table", "round_up", "next_pow2", "is_pow2", "dot_precision",
+           "tpu_interpret_params"]
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def check_options(soft_cap, sliding_window) -> None:
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
+def check_decode_args(q, k_pages, v_pages, lengths, page_tables, soft_cap, sliding_window) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape}")
+    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_tables)
+    if page_tables.ndim != 2 or page_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"page_tables must be [batch={q.shape[0]}, max_pages], got {page_tables.shape}")
+    if lengths.shape != (q.shape[0],):
+        raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths must be an integer array, got {lengths.dtype}")
+    check_options(soft_cap, sliding_window)
+
+
+def check_prefill_args(q, k_pages, v_pages, q_start, kv_len, page_table, soft_cap, sliding_window) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [chunk, num_heads, head_dim], got {q.shape}")
+    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_table)
+    if page_table.ndim != 1:
+        raise ValueError(f"page_table must be [max_pages], got {page_table.shape}")
+    for name, x in (("q_start", q_start), ("kv_len", kv_len)):
+        if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} must be an integer scalar, got {jnp.shape(x)} {jnp.result_type(x)}")
+    check_options(soft_cap, sliding_window)
+
+
+def pick_pages_per_block(page_size: int, max_pages: int, requested: int | None, target_tokens: int,
+                         min_tokens: int = 1) -> int:
+    """Pages per compute block: the request, else enough pages for ~target_tokens keys (a power of 2),
+    never fewer than min_tokens keys (Triton's dot needs N >= 16) and never more than the table rounded up."""
+    if requested is not None:
+        if not (isinstance(requested, int) and requested >= 1):
+            raise ValueError(f"pages_per_compute_block must be a positive int, got {requested!r}")
+        ppb = requested
+    else:
+        ppb = max(1, target_tokens // page_size)
+        ppb = min(ppb, next_pow2(max_pages))
+    while ppb * page_size < min_tokens:
+        ppb *= 2
+    return ppb
+
+
+def pad_page_table(page_tables: jax.Array, multiple: int) -> jax.Array:
+    """Pad the last axis with the null page 0 to a multiple of `multiple` (int32)."""
+    page_tables = page_tables.astype(jnp.int32)
+    pad = round_up(page_tables.shape[-1], multiple) - page_tables.shape[-1]
+    if pad:
+        widths = [(0, 0)] * (page_tables.ndim - 1) + [(0, pad)]
+        page_tables = jnp.pad(page_tables, widths)
+    return page_tables
+
+
+def dot_precision(dtype):
+    """Full-precision f32 matmuls (IEEE on Triton, multi-pass on TPU); the native path for 16-bit inputs."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def tpu_interpret_params(interpret):
+    """`interpret` of a Mosaic kernel wrapper -> what `pallas_call` takes: False, or TPU interpret mode."""
+    from jax.experimental.pallas import tpu as pltpu  # only the TPU kernels need it
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    return pltpu.InterpretParams() if interpret else False

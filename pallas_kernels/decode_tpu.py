@@ -1,0 +1,178 @@
+"""Paged decode attention for TPUs (Pallas Mosaic backend).
+
+1. `lengths` and the flattened page tables are scalar-prefetch operands: they sit in SMEM before the grid
+   starts, so the kernel can address pages with them.
+2. The grid is `(batch, kv_head)`, both parallel (megacore shards it). One step owns a slot's query group
+   (GQA inside the kernel, padded to 8 rows) and one KV head; the K/V cache stays in HBM (`pl.ANY`).
+3. The step walks the slot's pages one compute block (`pages_per_compute_block` pages) at a time: it DMAs
+   block i+1 into the other half of a double-buffered VMEM scratch while computing on block i, and keeps
+   the online softmax (running max, denominator, f32 accumulator) in VMEM scratch.
+4. Only blocks overlapping [length - window, length) are copied; an idle slot (length 0) copies nothing and
+   writes zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._paged_common import (MASK_VALUE, check_decode_args, dot_precision, pad_page_table,
+                                          pick_pages_per_block, round_up, tpu_interpret_params)
+
+SUBLANES = 8  # q-group rows are padded to a whole sublane tile
+
+
+def _decode_kernel(lengths_ref,  # [batch] int32 (SMEM, scalar prefetch)
+                   page_tables_ref,  # [batch * max_pages_padded] int32 (SMEM, scalar prefetch)
+                   q_ref,  # [group_pad, head_dim] (VMEM block) this slot's queries of one KV group
+                   k_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
+                   v_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
+                   o_ref,  # [group_pad, head_dim] (VMEM block)
+                   k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM double buffer
+                   v_buf,  # [2, pages_per_block, page_size, head_dim]
+                   sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
+                   m_ref,  # [group_pad, 1] f32 running max
+                   l_ref,  # [group_pad, 1] f32 running denominator
+                   acc_ref,  # [group_pad, head_dim] f32 running numerator
+                   *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+                   pages_per_block: int, max_pages: int, precision):
+    b, h = pl.program_id(0), pl.program_id(1)
+    page_size, head_dim = k_buf.shape[2], k_buf.shape[3]
+    block_k = pages_per_block * page_size
+    rows = q_ref.shape[0]
+    length = lengths_ref[b]
+
+    end_blk = jnp.minimum(lax.div(length + block_k - 1, block_k), max_pages // pages_per_block)
+    if sliding_window is None:
+        start_blk = 0
+    else:  # the new token at length-1 sees keys at positions >= length - window
+        start_blk = lax.div(jnp.maximum(length - sliding_window, 0), block_k)
+    num_iters = jnp.maximum(end_blk - start_blk, 0)
+
+    def copies(blk, slot):
+        out = []
+        for j in range(pages_per_block):
+            page = page_tables_ref[b * max_pages + blk * pages_per_block + j]
+            out.append(pltpu.make_async_copy(k_hbm_ref.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm_ref.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
+        return out
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(num_iters > 0)
+    def _():
+        for c in copies(start_blk, 0):
+            c.start()
+
+    q = q_ref[...]
+
+    def body(i, carry):
+        blk = start_blk + i
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < num_iters)
+        def _():  # prefetch the next block into the other buffer half
+            for c in copies(blk + 1, 1 - slot):
+                c.start()
+
+        for c in copies(blk, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_k, head_dim)
+        v = v_buf[slot].reshape(block_k, head_dim)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        pos = blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        valid = pos < length
+        if sliding_window is not None:
+            valid = valid & (pos >= length - sliding_window)
+        s = jnp.where(valid, s, MASK_VALUE)
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * alpha + pv
+        m_ref[...] = m_next
+        return carry
+
+    lax.fori_loop(0, num_iters, body, 0)
+    l = l_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _decode_call(q4, k_pages, v_pages, lengths, page_tables_flat, *, max_pages, sm_scale, soft_cap,
+                 sliding_window, pages_per_block, interpret):
+    batch, num_kv_heads, rows, head_dim = q4.shape
+    _, _, page_size, _ = k_pages.shape
+    kernel = functools.partial(_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, pages_per_block=pages_per_block,
+                               max_pages=max_pages, precision=dot_precision(q4.dtype))
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(batch, num_kv_heads),
+        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=q_spec,
+        scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
+                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, head_dim), jnp.float32)],
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret_params(interpret),
+        name="paged_decode_attention_mosaic",
+    )(lengths, page_tables_flat, q4, k_pages, v_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "pages_per_compute_block",
+                                             "interpret"))
+def paged_decode_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                               page_tables: jax.Array, *, sm_scale: float, soft_cap: float | None = None,
+                               sliding_window: int | None = None, pages_per_compute_block: int | None = None,
+                               interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+    """Mosaic (TPU) paged decode attention; same contract as `paged_decode_attention_reference`.
+
+    Args:
+      q: [batch, num_heads, head_dim] queries; the token of slot b sits at position lengths[b] - 1.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache.
+      lengths: [batch] int number of valid cached tokens per slot, the new one included; 0 = idle slot.
+      page_tables: [batch, max_pages] int page ids per slot (padding entries point at the null page 0).
+      sm_scale: softmax scale (static).
+      soft_cap: optional static logit soft-cap (cap * tanh(s / cap)).
+      sliding_window: optional static window; keys with q_pos - k_pos < window are attended.
+      pages_per_compute_block: pages DMA'd per loop step (default: ~128 keys).
+      interpret: True (or a `pltpu.InterpretParams`, e.g. with detect_races=True) runs under TPU
+        interpret mode, simulating DMAs, semaphores and VMEM on CPU.
+    Returns:
+      [batch, num_heads, head_dim] in q's dtype; zeros for idle slots.
+    """
+    check_decode_args(q, k_pages, v_pages, lengths, page_tables, soft_cap, sliding_window)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    rows = round_up(group, SUBLANES)
+    ppb = pick_pages_per_block(page_size, page_tables.shape[1], pages_per_compute_block, target_tokens=128)
+    q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+    if rows != group:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    tables = pad_page_table(page_tables, ppb)
+    out = _decode_call(q4, k_pages, v_pages, lengths.astype(jnp.int32), tables.reshape(-1),
+                       max_pages=tables.shape[1], sm_scale=float(sm_scale),
+                       soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
+                       pages_per_block=ppb, interpret=interpret)
+    return out[:, :, :group].reshape(batch, num_heads, head_dim)

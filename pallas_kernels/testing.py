@@ -1,0 +1,80 @@
+"""Random paged caches for kernel tests and benchmarks (host-side numpy; no Pallas needed).
+
+1. Draw dense per-sequence K/V (`[n, num_kv_heads, tokens, head_dim]`) and fill a page pool with garbage.
+2. Give each sequence distinct pages picked at random from the pool (never the null page 0) and write its
+   dense tokens into them; the rest of its page-table row points at the null page.
+3. Keep the dense K/V, so a test can check the paged answer against attention over the dense arrays
+   (`dense_attention`), independently of how the reference gathers pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+# Kernel vs reference, keyed by dtype name: (atol, rtol). bf16 kernels round p to bf16 before p @ V.
+TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+
+@dataclasses.dataclass
+class PagedCase:
+    k_pages: np.ndarray  # [num_kv_heads, num_pages, page_size, head_dim] float32
+    v_pages: np.ndarray  # [num_kv_heads, num_pages, page_size, head_dim] float32
+    page_tables: np.ndarray  # [n, max_pages] int32
+    dense_k: np.ndarray  # [n, num_kv_heads, max_pages * page_size, head_dim] float32
+    dense_v: np.ndarray  # [n, num_kv_heads, max_pages * page_size, head_dim] float32
+
+
+def random_paged_case(rng: np.random.Generator, tokens: list[int], *, num_kv_heads: int, page_size: int,
+                      head_dim: int, max_pages: int, spare_pages: int = 3) -> PagedCase:
+    """Sequences holding `tokens[i]` cached tokens each, scattered over shuffled pages of a shared pool."""
+    n = len(tokens)
+    need = [-(-t // page_size) for t in tokens]
+    if max(need, default=0) > max_pages:
+        raise ValueError(f"{max(need)} pages needed but max_pages={max_pages}")
+    num_pages = 1 + sum(need) + spare_pages
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k_pages = rng.standard_normal(shape).astype(np.float32) * 3.0  # garbage the kernel must mask out
+    v_pages = rng.standard_normal(shape).astype(np.float32) * 3.0
+    dense_k = rng.standard_normal((n, num_kv_heads, max_pages * page_size, head_dim)).astype(np.float32)
+    dense_v = rng.standard_normal((n, num_kv_heads, max_pages * page_size, head_dim)).astype(np.float32)
+    pool = list(rng.permutation(np.arange(1, num_pages)))
+    page_tables = np.zeros((n, max_pages), np.int32)
+    for i in range(n):
+        for j in range(need[i]):
+            page = pool.pop()
+            page_tables[i, j] = page
+            k_pages[:, page] = dense_k[i, :, j * page_size:(j + 1) * page_size]
+            v_pages[:, page] = dense_v[i, :, j * page_size:(j + 1) * page_size]
+    return PagedCase(k_pages, v_pages, page_tables, dense_k, dense_v)
+
+
+def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_len: int, *,
+                    sm_scale: float, soft_cap: float | None = None,
+                    sliding_window: int | None = None) -> np.ndarray:
+    """float64 oracle. q [T, H, D] at positions q_pos [T]; k/v [KVH, L, D] dense -> [T, H, D].
+
+    Row t (a real token only if q_pos[t] < kv_len) attends to keys j with j <= q_pos[t], j < kv_len and
+    q_pos[t] - j < window; padding rows and rows without keys -> zeros."""
+    t, h, d = q.shape
+    kvh = k.shape[0]
+    group = h // kvh
+    out = np.zeros((t, h, d), np.float64)
+    for r in range(t):
+        p = int(q_pos[r])
+        if p >= kv_len:
+            continue
+        hi = p + 1
+        lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+        if hi <= lo:
+            continue
+        for head in range(h):
+            kk = k[head // group, lo:hi].astype(np.float64)
+            vv = v[head // group, lo:hi].astype(np.float64)
+            s = kk @ q[r, head].astype(np.float64) * sm_scale
+            if soft_cap is not None:
+                s = soft_cap * np.tanh(s / soft_cap)
+            w = np.exp(s - s.max())
+            out[r, head] = (w / w.sum()) @ vv
+    return out
