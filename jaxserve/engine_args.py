@@ -19,7 +19,7 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import pages_needed
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import load_model, random_model, resolve_dtype
-from pallas_kernels import AttentionBackend, select_attention_backend
+from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
 
 logger = logging.getLogger(__name__)
 
