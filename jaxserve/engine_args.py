@@ -41,6 +41,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
     num_pages: int | None = None  # default: enough for every slot at full context
+    enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
     attention_backend: str = "auto"
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
@@ -99,4 +100,5 @@ def build_model(args: EngineArgs) -> BuiltModel:
                 jax.numpy.dtype(dtype).name, attention.name)
     return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
                       tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
-                      cache_config=CacheConfig(page_size=args.page_size, num_pages=num_pages))
+                      cache_config=CacheConfig(page_size=args.page_size, num_pages=num_pages,
+                                               enable_prefix_caching=args.enable_prefix_caching))
