@@ -292,7 +292,8 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 def _guess_param(message: str) -> str | None:
-    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "prompt"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "cache_salt",
+                 "prompt"):
         if message.startswith(name) or f" {name} " in message:
             return name
     return "prompt" if "prompt" in message or "vocabulary" in message else None
