@@ -23,7 +23,7 @@ from typing import Sequence
 
 import jax
 
-from jaxserve.engine_args import EngineArgs, build_model
+from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
 from jaxserve.runner import ModelRunner, SlotSampling
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Plan, Request, Scheduler, Status
@@ -87,10 +87,11 @@ class CompileCounter:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
+        """`built`: a model assembled by the caller (`engine_args.assemble`); default: `build_model(args)`."""
         CompileCounter.install()
         self.args = args
-        built = build_model(args)
+        built = built or build_model(args)
         self.model_config = built.model_config
         self.tokenizer = built.tokenizer
         self.model_name = built.name

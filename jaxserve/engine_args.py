@@ -1,8 +1,8 @@
 """Engine options (shared by the CLI, the server and the offline `LLM` API) and model construction.
 
-1. `EngineArgs` holds what a user sets; `build_model` resolves it against the checkpoint: dtype, context
-   length, prefill buckets, attention backend, and — once the weights are on the device — the KV page
-   pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
+1. `EngineArgs` holds what a user sets; `build_model` loads the checkpoint and `assemble` resolves the
+   rest against it: context length, prefill buckets, attention backend, and — once the weights are on
+   the device — the KV page pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
    weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
    says what it is; its text is noise.
@@ -83,7 +83,6 @@ def default_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
-    attention = select_attention_backend(args.attention_backend)
     if args.model is None:
         config = demo_model_config()
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
@@ -96,6 +95,13 @@ def build_model(args: EngineArgs) -> BuiltModel:
         tokenizer = Tokenizer.from_pretrained(args.model)
         model = load_model(args.model, config, dtype)
         name = Path(args.model).resolve().name
+    return assemble(args, name, model, config, tokenizer, dtype)
+
+
+def assemble(args: EngineArgs, name: str, model, config: ModelConfig, tokenizer: Tokenizer, dtype) -> BuiltModel:
+    """Everything but the weights, for a model already on the device: from `build_model`, or from a
+    caller that builds its own (benchmarks with a random model of a chosen size)."""
+    attention = select_attention_backend(args.attention_backend)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
