@@ -294,7 +294,7 @@ class Engine:
 
 @dataclasses.dataclass
 class EngineStats:
-    prompt_tokens: int = 0  # prefilled tokens (recomputation after preemption included)
+    prompt_tokens: int = 0  # prefilled tokens: cache hits excluded, recomputation after preemption included
     generation_tokens: int = 0
     finished: dict = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.time)
