@@ -19,6 +19,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--page-size", type=int, default=EngineArgs.page_size, help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache; the page count follows (instead of --num-pages)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device memory left free by the weights to give the KV cache "
+                        "(devices without memory statistics, such as the CPU, keep the default)")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the KV pages of prompt prefixes seen before (the default)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt from its first token")
     g.add_argument("--prefill-buckets", default=None,
                    help="comma-separated prefill chunk lengths (default: 16,32,...,512)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])

@@ -116,6 +116,7 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16
     num_pages: int = 512  # page 0 included (reserved null page)
+    enable_prefix_caching: bool = True  # keep full pages after a request ends and reuse them by content
 
     def __post_init__(self):
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -24,7 +24,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine_args import EngineArgs, build_model
+from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
 from jaxserve.runner import ModelRunner, SlotSampling
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Plan, Request, Scheduler, Status
@@ -51,6 +51,7 @@ class RequestOutput:
     new_text: str = ""  # text that became final in this step (for streaming)
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class _Tracked:
@@ -87,10 +88,11 @@ class CompileCounter:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
+        """`built`: a model assembled by the caller (`engine_args.assemble`); default: `build_model(args)`."""
         CompileCounter.install()
         self.args = args
-        built = build_model(args)
+        built = built or build_model(args)
         self.model_config = built.model_config
         self.tokenizer = built.tokenizer
         self.model_name = built.name
@@ -107,9 +109,12 @@ class Engine:
         # Steps between an abort() call and the step that freed the request: the latency tests assert on.
         self.abort_latencies: collections.deque[int] = collections.deque(maxlen=1000)
         logger.info("model %s: %s, %d layers, dtype %s, attention %s, KV cache %d pages x %d tokens "
-                    "(%.1f MB), %d slots, max_model_len %d", self.model_name, self.model_config.model_type,
-                    self.model_config.num_layers, jnp.dtype(built.dtype).name, built.attention.name,
-                    self.cache_config.num_pages, self.cache_config.page_size, self.runner.kv_cache.num_bytes / 1e6,
+                    "(%.1f MB), prefix caching %s, %d slots, max_model_len %d", self.model_name,
+                    self.model_config.model_type, self.model_config.num_layers,
+                    jnp.dtype(built.dtype).name,
+                    built.attention.name, self.cache_config.num_pages, self.cache_config.page_size,
+                    self.runner.kv_cache.num_bytes / 1e6,
+                    "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
 
     # ---- warm-up and compile accounting -------------------------------------------------------------
@@ -162,6 +167,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its slot and pages are freed at the next step."""
         self._inbox.put(("abort", (request_id, self.step_count)))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no request is using; returns how many. Call it from the thread that
+        steps the engine (or offline), never while another thread is inside `step`."""
+        return self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked) or not self._inbox.empty()
@@ -280,12 +290,13 @@ class Engine:
                                       finish_reason=r.finish_reason, stop_reason=tracked.stop_reason)
         return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_ids, outputs=[completion],
                              finished=r.status is Status.FINISHED, new_text=new_text,
-                             new_token_ids=new_token_ids, prompt=tracked.prompt)
+                             new_token_ids=new_token_ids, prompt=tracked.prompt,
+                             num_cached_tokens=r.num_cached_tokens or 0)
 
 
 @dataclasses.dataclass
 class EngineStats:
-    prompt_tokens: int = 0  # prefilled tokens (recomputation after preemption included)
+    prompt_tokens: int = 0  # prefilled tokens: cache hits excluded, recomputation after preemption included
     generation_tokens: int = 0
     finished: dict = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.time)

@@ -1,7 +1,8 @@
 """Engine options (shared by the CLI, the server and the offline `LLM` API) and model construction.
 
-1. `EngineArgs` holds what a user sets; `build_model` resolves it against the checkpoint: dtype, context
-   length, KV page pool, prefill buckets, attention backend.
+1. `EngineArgs` holds what a user sets; `build_model` loads the checkpoint and `assemble` resolves the
+   rest against it: context length, prefill buckets, attention backend, and — once the weights are on
+   the device — the KV page pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
    weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
    says what it is; its text is noise.
@@ -16,10 +17,10 @@ from pathlib import Path
 import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from jaxserve.kv_cache import pages_needed
+from jaxserve.kv_budget import resolve_kv_budget
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import load_model, random_model, resolve_dtype
-from pallas_kernels import AttentionBackend, select_attention_backend
+from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
     num_pages: int | None = None  # default: enough for every slot at full context
+    kv_cache_memory: int | None = None  # bytes for the KV cache (instead of num_pages)
+    gpu_memory_utilization: float | None = None  # fraction of device memory free after the weights
+    enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
     attention_backend: str = "auto"
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
@@ -48,6 +52,14 @@ class EngineArgs:
     def __post_init__(self):
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclasses.dataclass
@@ -71,7 +83,6 @@ def default_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
-    attention = select_attention_backend(args.attention_backend)
     if args.model is None:
         config = demo_model_config()
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
@@ -85,19 +96,27 @@ def build_model(args: EngineArgs) -> BuiltModel:
         tokenizer = Tokenizer.from_pretrained(args.model)
         model = load_model(args.model, config, dtype)
         name = Path(args.model).resolve().name
+    return assemble(args, name, model, config, tokenizer, dtype)
+
+
+def assemble(args: EngineArgs, name: str, model, config: ModelConfig, tokenizer: Tokenizer, dtype) -> BuiltModel:
+    """Everything but the weights, for a model already on the device: from `build_model`, or from a
+    caller that builds its own (benchmarks with a random model of a chosen size)."""
+    attention = select_attention_backend(args.attention_backend)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
     scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                                        prefill_buckets=args.prefill_buckets or default_buckets(max_model_len))
-    full_context_pages = pages_needed(max_model_len, args.page_size)
-    num_pages = args.num_pages or args.max_num_seqs * full_context_pages + 1
-    if num_pages - 1 < full_context_pages:
-        raise ValueError(f"num_pages {num_pages} cannot hold even one full-context sequence "
-                         f"({full_context_pages} pages of {args.page_size} tokens + the null page)")
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
+    # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.
+    budget = resolve_kv_budget(config, dtype, page_size=args.page_size, max_model_len=max_model_len,
+                               max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
+                               kv_cache_memory=args.kv_cache_memory,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
     return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
                       tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
-                      cache_config=CacheConfig(page_size=args.page_size, num_pages=num_pages))
+                      cache_config=CacheConfig(page_size=args.page_size, num_pages=budget.num_pages,
+                                               enable_prefix_caching=args.enable_prefix_caching))

@@ -19,12 +19,17 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
         """`model`: a Hugging Face model directory (None: the built-in demo model). Other keyword
         arguments are `EngineArgs` fields: dtype, max_num_seqs, max_model_len, page_size, num_pages,
+        kv_cache_memory, gpu_memory_utilization, enable_prefix_caching (on by default),
         prefill_buckets, attention_backend."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (returns how many pages were evicted)."""
+        return self.engine.reset_prefix_cache()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import NULL_PAGE, KVCache, pages_needed
 from jaxserve.sampling import SamplingArrays, sample, seed_words
-from pallas_kernels import AttentionBackend
+from pallas_kernels.dispatch import AttentionBackend
 
 logger = logging.getLogger(__name__)
 

@@ -38,6 +38,9 @@ class SamplingParams:
     stop: Sequence[str] | str | None = None  # stop strings (not included in the output)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Requests share cached prefix pages only with requests of the same salt (None shares with None):
+    # a tenant's salt keeps others from timing its prompts through cache hits.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if self.temperature is None or self.temperature < 0:
@@ -58,6 +61,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidParameter("cache_salt",
+                                   f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,10 @@
 """Continuous-batching scheduler: host-only Python, no device arrays.
 
 1. Requests wait in arrival order. One is admitted when a decode slot is free and the pages for its whole
-   prefill (prompt, plus any tokens it already generated before a preemption) can be allocated.
+   prefill (prompt, plus any tokens it already generated before a preemption) can be allocated. With
+   prefix caching, the longest cached run of full pages of those tokens is shared instead of allocated,
+   and prefill starts after it (a chunk at q_start > 0). The hit stops short of the last token: its
+   logits are needed to sample, so at least that token is always computed, in a page of its own request.
 2. Each iteration `schedule()` returns a `Plan`: at most one prefill chunk (bounded by the largest
    bucket, oldest request first) plus one decode step over every slot whose prefill is done. A long
    prompt therefore never stalls the streams already running.
@@ -9,7 +12,11 @@
    running request is preempted: its pages and slot are freed and it waits, at the front of the queue,
    to be recomputed later. Memory pressure that can be waited out never fails a request.
 4. After the step, `update_prefill` / `update_decode` advance request state — the only place it
-   changes — and `finish` frees a finished or aborted request's slot and pages.
+   changes — and register every page the step filled in the prefix cache, prompt and generated text
+   alike (the next turn of a chat reuses both). Only full, written pages are registered, and a request
+   only ever writes at or after its first unshared page, so a shared page is never written.
+5. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
+   cached until an allocation needs them (least recently used first).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import deque
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
+from jaxserve.prefix_cache import PageKey, PrefixCache, extend_page_keys
 from jaxserve.sampling import SamplingParams
 
 
@@ -48,6 +56,9 @@ class Request:
     prefill_target: int = 0  # tokens to prefill since the last admission
     finish_reason: str | None = None
     num_preemptions: int = 0
+    page_keys: list[PageKey] = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages
+    num_registered: int = 0  # leading pages whose keys the cache has seen since the last admission
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
 
     @property
@@ -92,10 +103,13 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
         self.config = scheduler_config
         self.page_size = cache_config.page_size
-        self.allocator = PageAllocator(cache_config.num_pages)
+        self.prefix_cache = PrefixCache() if cache_config.enable_prefix_caching else None
+        self.allocator = PageAllocator(cache_config.num_pages, self.prefix_cache)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * scheduler_config.max_num_seqs
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -134,16 +148,55 @@ class Scheduler:
         while self.waiting and None in self.slots:
             request = self.waiting[0]
             target = len(request.all_ids)
-            pages = self.allocator.allocate(pages_needed(target, self.page_size))
-            if pages is None:
+            hits = self._cached_prefix(request, target)
+            fresh = pages_needed(target, self.page_size) - len(hits)
+            # Idle hit pages count as free until acquired: they must not also pay for the fresh pages.
+            idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits else 0
+            if not self.allocator.can_allocate(fresh + idle_hits):
                 return  # wait for pages: strict arrival order, so big prompts are not starved
+            self.allocator.acquire(hits)
+            pages = hits + self.allocator.allocate(fresh)
             self.waiting.popleft()
             request.status = Status.RUNNING
             request.slot = self.slots.index(None)
             request.pages = pages
-            request.num_computed = 0
+            request.num_computed = len(hits) * self.page_size
+            request.num_registered = len(hits)
             request.prefill_target = target
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed
+            if self.prefix_cache is not None:
+                self.prefix_cache_queries += target
+                self.prefix_cache_hits += request.num_computed
             self.slots[request.slot] = request
+
+    def _cached_prefix(self, request: Request, target: int) -> list[int]:
+        """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
+        if self.prefix_cache is None:
+            return []
+        # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
+        # and everything after it land in pages this request owns alone.
+        usable = (target - 1) // self.page_size
+        extend_page_keys(request.page_keys, request.all_ids, self.page_size, usable, self._extra_keys(request))
+        return self.prefix_cache.lookup(request.page_keys[:usable])
+
+    @staticmethod
+    def _extra_keys(request: Request) -> tuple:
+        salt = request.params.cache_salt
+        return ("salt", salt) if salt is not None else ()
+
+    def _register_full_pages(self, request: Request) -> None:
+        """Offer every page the last step completed to the prefix cache (after the step: K/V written)."""
+        if self.prefix_cache is None:
+            return
+        full = request.num_computed // self.page_size
+        if full <= request.num_registered:
+            return
+        keys = extend_page_keys(request.page_keys, request.all_ids, self.page_size, full,
+                                self._extra_keys(request))
+        for i in range(request.num_registered, full):
+            self.prefix_cache.register(request.pages[i], keys[i])
+        request.num_registered = full
 
     def _reserve_decode_pages(self) -> None:
         """Give every decoding sequence the page its next token goes to, preempting if need be."""
@@ -178,6 +231,7 @@ class Scheduler:
         whether a token was appended."""
         request = work.request
         request.num_computed += len(work.token_ids)
+        self._register_full_pages(request)
         if work.is_last_chunk:
             request.output_ids.append(token)
             return True
@@ -186,6 +240,11 @@ class Scheduler:
     def update_decode(self, request: Request, token: int) -> None:
         request.num_computed += 1
         request.output_ids.append(token)
+        self._register_full_pages(request)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every idle cached page (pages in use keep theirs); returns how many were evicted."""
+        return self.allocator.evict_cached()
 
     def finish(self, request: Request, reason: str) -> None:
         """Finish (or abort) a request wherever it is; frees its slot and pages."""

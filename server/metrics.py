@@ -2,7 +2,8 @@
 
 Latency histograms and token counters are fed by the request handlers as tokens reach the client;
 state gauges (running, waiting, KV usage) and engine-owned counters (compilations since warm-up,
-preemptions) are read from the engine at scrape time, so they never drift from the truth.
+preemptions, prefix-cache queries and hits in tokens) are read from the engine at scrape time, so they
+never drift from the truth.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ class _EngineStateCollector:
         usage = GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)")
         compiles = CounterMetricFamily("jaxserve:compilations", "XLA compilations since warm-up ended")
         preemptions = CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted for KV pages")
+        queries = CounterMetricFamily("jaxserve:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache (at each admission)")
+        hits = CounterMetricFamily("jaxserve:prefix_cache_hits",
+                                   "Prompt tokens whose KV pages came from the prefix cache")
         running.add_metric([], len(scheduler.running) if scheduler else 0)
         waiting.add_metric([], len(scheduler.waiting) if scheduler else 0)
         usage.add_metric([], scheduler.kv_usage() if scheduler else 0.0)
         compiles.add_metric([], engine.compilations_since_warmup if ready else 0)
         preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
-        yield from (running, waiting, usage, compiles, preemptions)
+        queries.add_metric([], scheduler.prefix_cache_queries if scheduler else 0)
+        hits.add_metric([], scheduler.prefix_cache_hits if scheduler else 0)
+        yield from (running, waiting, usage, compiles, preemptions, queries, hits)
 
 
 class Metrics:

@@ -41,6 +41,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Prefix-cache isolation (vLLM's field): only requests with the same salt share cached KV pages.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("n")
     @classmethod
@@ -74,7 +76,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_tokens=max_tokens, seed=self.seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:

@@ -9,14 +9,25 @@ import pytest
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.kv_cache import pages_needed
+from tests.page_checks import assert_pages_released
 
 
 class FakeRunner:
-    def __init__(self, scripts, max_num_seqs):
+    def __init__(self, scripts, max_num_seqs, allocator=None):
         self.scripts = scripts
         self.max_num_seqs = max_num_seqs
+        self.allocator = allocator  # when given, every write is checked to land in an unshared page
         self.prefill_calls = []  # (seed, start, n)
         self.decode_calls = []  # number of active slots per call
+
+    def _check_writable(self, pages, positions):
+        """The prefix-cache invariant: a step writes only pages its request holds alone, uncached."""
+        if self.allocator is None:
+            return
+        for page in {pages[p // 4] for p in positions}:
+            assert self.allocator.refcount(page) == 1, f"write into shared page {page}"
+            cache = self.allocator.prefix_cache
+            assert cache is None or not cache.holds(page), f"write into cached page {page}"
 
     def _token(self, sampling):
         script = self.scripts[sampling.seed]
@@ -24,6 +35,7 @@ class FakeRunner:
 
     def prefill(self, token_ids, start, pages, sampling, all_logits=False):
         assert len(pages) >= pages_needed(start + len(token_ids), 4)
+        self._check_writable(pages, range(start, start + len(token_ids)))
         self.prefill_calls.append((sampling.seed, start, len(token_ids)))
         return self._token(sampling), None
 
@@ -35,16 +47,18 @@ class FakeRunner:
             if slot is not None:
                 _, position, pages, sampling = slot
                 assert position // 4 < len(pages), "decode position has no page"
+                self._check_writable(pages, [position])
                 out[i] = self._token(sampling)
         return out, None
 
 
 @pytest.fixture
 def make_engine(stories_dir):
-    def make(scripts, max_num_seqs=4, num_pages=None, max_model_len=64, buckets=(8, 16)):
+    def make(scripts, max_num_seqs=4, num_pages=None, max_model_len=64, buckets=(8, 16), **kw):
         engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=max_num_seqs, page_size=4,
-                                   num_pages=num_pages, max_model_len=max_model_len, prefill_buckets=buckets))
-        engine.runner = FakeRunner(scripts, max_num_seqs)
+                                   num_pages=num_pages, max_model_len=max_model_len, prefill_buckets=buckets,
+                                   **kw))
+        engine.runner = FakeRunner(scripts, max_num_seqs, engine.scheduler.allocator)
         return engine
     return make
 
@@ -135,8 +149,8 @@ def test_preemption_under_page_pressure_completes_everything(make_engine):
     for s, out in enumerate(outs):
         assert out.outputs[0].token_ids == scripts[s][:18]
     assert engine.scheduler.num_preemptions > 0
-    assert engine.scheduler.allocator.num_free == 12
-    assert engine.scheduler.num_free_slots == 8 and not engine.scheduler.waiting
+    assert engine.scheduler.allocator.num_usable == 12
+    assert_pages_released(engine.scheduler)
 
 
 def test_abort_frees_slot_and_pages_at_next_step(make_engine):
@@ -151,8 +165,7 @@ def test_abort_frees_slot_and_pages_at_next_step(make_engine):
     assert aborted and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
-    assert engine.scheduler.num_free_slots == 4
+    assert_pages_released(engine.scheduler)
 
 
 def test_abort_of_waiting_request(make_engine):
@@ -166,7 +179,7 @@ def test_abort_of_waiting_request(make_engine):
             if o.finished:
                 finished[o.request_id] = o.outputs[0].finish_reason
     assert finished == {ids[0]: "length", ids[1]: "length", ids[2]: "abort"}
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+    assert_pages_released(engine.scheduler)
 
 
 def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
@@ -186,3 +199,99 @@ def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
     finally:
         engine.scheduler.allocator.free(pages)
     assert engine.compilations_since_warmup > before
+
+
+# ---- prefix caching (scheduler + engine, fake model) ------------------------------------------------------
+
+PREFIX = [1] + list(range(300, 321))  # 22 tokens: 5 full pages of 4, then 2
+
+
+def prefill_starts(engine, seed):
+    return [(start, n) for s, start, n in engine.runner.prefill_calls if s == seed]
+
+
+def test_prefix_hit_prefills_only_the_uncached_rest(make_engine):
+    engine = make_engine({s: STORY for s in range(10)})
+    run_all(engine, [(PREFIX, params(0, max_tokens=3))])
+    assert prefill_starts(engine, 0) == [(0, 16), (16, 6)]
+    cases = [
+        (1, PREFIX[:14] + [400, 401, 402], 12),  # shared prefix ends mid-page: the 3 full pages before it
+        (2, PREFIX[:16], 12),  # the whole prompt is cached: its last page is recomputed for the logits
+        (3, PREFIX[:15], 12),  # cached up to its last token: the hit stops at the page before it
+        (4, PREFIX + [9], 20),  # all 5 full pages of the first prompt
+        (5, [1, 402] + PREFIX[2:], 0),  # differs in the first page: nothing after it can be shared
+    ]
+    for seed, prompt, hit in cases:
+        out = run_all(engine, [(prompt, params(seed, max_tokens=3))])[0]
+        chunks = prefill_starts(engine, seed)
+        assert chunks[0][0] == hit and sum(n for _, n in chunks) == len(prompt) - hit, seed
+        assert out.num_cached_tokens == hit
+        assert out.outputs[0].token_ids == STORY[:3]
+    scheduler = engine.scheduler
+    assert scheduler.prefix_cache_hits == 12 + 12 + 12 + 20
+    assert scheduler.prefix_cache_queries == len(PREFIX) + sum(len(c[1]) for c in cases)
+    assert_pages_released(scheduler)
+
+
+def test_concurrent_requests_share_pages_but_never_write_them(make_engine):
+    engine = make_engine({s: STORY * 3 for s in range(4)})
+    engine.add_request(PREFIX, params(0, max_tokens=12))
+    engine.step()  # the first request's prompt is prefilled and its full pages registered
+    for seed in (1, 2, 3):
+        engine.add_request(PREFIX[:13] + [400 + seed] * 5, params(seed, max_tokens=12))
+    engine.step()
+    scheduler = engine.scheduler
+    shared = scheduler.running[0].pages[:3]
+    assert all(r.pages[:3] == shared for r in scheduler.running)
+    assert [scheduler.allocator.refcount(p) for p in shared] == [4, 4, 4]
+    # FakeRunner checks on every step that writes land only in unshared, uncached pages.
+    while engine.has_unfinished():
+        engine.step()
+    assert [prefill_starts(engine, s)[0][0] for s in (1, 2, 3)] == [12, 12, 12]
+    assert_pages_released(scheduler)
+
+
+def test_generated_text_is_cached_for_the_next_turn(make_engine):
+    engine = make_engine({0: STORY * 3, 1: STORY})
+    first = run_all(engine, [(PREFIX[:10], params(0, max_tokens=12))])[0]
+    # 10 prompt + 12 generated: 21 tokens have K/V (the last sampled one never went through the model).
+    history = PREFIX[:10] + first.outputs[0].token_ids
+    second = run_all(engine, [(history + [5, 6, 7], params(1, max_tokens=2))])[0]
+    assert second.num_cached_tokens == 20  # 5 full pages, 2 of them made only of generated tokens
+    assert prefill_starts(engine, 1) == [(20, len(history) + 3 - 20)]
+
+
+def test_cache_salt_keeps_requests_apart(make_engine):
+    engine = make_engine({s: STORY for s in range(5)})
+    run_all(engine, [(PREFIX, params(0, max_tokens=2, cache_salt="tenant-a"))])
+    hits = [run_all(engine, [(PREFIX, params(seed, max_tokens=2, cache_salt=salt))])[0].num_cached_tokens
+            for seed, salt in [(1, None), (2, "tenant-b"), (3, "tenant-a")]]
+    assert hits == [0, 0, 20]
+    assert run_all(engine, [(PREFIX, params(4, max_tokens=2))])[0].num_cached_tokens == 20  # (1) cached it
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
+def test_no_prefix_caching_recomputes_every_prompt(make_engine):
+    engine = make_engine({s: STORY for s in range(3)}, enable_prefix_caching=False)
+    outs = run_all(engine, [(PREFIX, params(0, max_tokens=3))])
+    outs += run_all(engine, [(PREFIX, params(1, max_tokens=3))])
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert prefill_starts(engine, 1) == [(0, 16), (16, 6)]
+    scheduler = engine.scheduler
+    assert scheduler.prefix_cache is None and scheduler.prefix_cache_queries == 0
+    assert_pages_released(scheduler)
+
+
+def test_preempted_request_reuses_its_own_cached_pages(make_engine):
+    # 2 slots, 9 usable pages, two requests of 6 pages each: the newer one is preempted once the pool is
+    # exhausted. Its full pages stay cached, so its recomputation starts after them.
+    scripts = {0: [(7 * i) % 400 + 3 for i in range(30)], 1: [(11 * i) % 400 + 3 for i in range(30)]}
+    engine = make_engine(scripts, max_num_seqs=2, num_pages=10, max_model_len=24)
+    outs = run_all(engine, [([1] + [401] * 7, params(0, max_tokens=14)), ([1] + [402] * 7, params(1, max_tokens=14))])
+    assert [o.outputs[0].token_ids for o in outs] == [scripts[0][:14], scripts[1][:14]]
+    assert engine.scheduler.num_preemptions >= 1
+    starts = prefill_starts(engine, 1)
+    assert starts[0] == (0, 8) and len(starts) > 1
+    assert starts[1][0] >= 8, starts  # at least its prompt's pages survived the preemption
+    assert_pages_released(engine.scheduler)

@@ -16,7 +16,7 @@ from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
 from jaxserve.runner import ModelRunner, SlotSampling
 from jaxserve.weights import load_model
-from pallas_kernels import select_attention_backend
+from pallas_kernels.dispatch import select_attention_backend
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())

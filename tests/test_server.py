@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from jaxserve.engine_args import EngineArgs
+from tests.page_checks import assert_pages_released
 from tests.server_harness import running_server, scrape
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -76,6 +77,7 @@ def test_multiple_prompts_in_one_completion_request(client):
     ({"prompt": [1] + [403] * 520, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
     ({"prompt": [1, 99999]}, 400, "prompt", None),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"prompt": "hi", "cache_salt": ""}, 400, "cache_salt", None),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
     base, async_engine = server
@@ -162,20 +164,28 @@ def test_disconnecting_stream_is_aborted_within_one_step(server):
         asyncio.run(asyncio.sleep(0.05))
     assert engine.stats.finished.get("abort", 0) == aborted_before + 1
     assert engine.abort_latencies[-1] <= 1  # freed at the first engine step after the abort
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+    assert_pages_released(engine.scheduler)  # the engine is idle: evicting from this thread is safe
 
 
 def test_mixed_workload_never_recompiles_and_leaks_nothing(server):
-    """200+ requests: prompt lengths 1..near the context limit, random sampling, streaming or not, some
-    clients vanishing mid-stream. Afterwards: zero compilations, every slot and page free."""
+    """200+ requests: prompt lengths 1..near the context limit, a third of them sharing system prompts
+    (prefix-cache hits), random sampling, streaming or not, some clients vanishing mid-stream.
+    Afterwards: zero compilations, every slot free, every page free or held only by the prefix cache."""
     base, async_engine = server
     engine = async_engine.engine
     limit = engine.scheduler_config.max_model_len
     rng = random.Random(1)
+    # Shared prefixes that end mid-page and on a page boundary; hits start prefill at a later q_start.
+    systems = [[1] + [rng.randint(3, 511) for _ in range(n - 1)] for n in (37, 160, 256)]
+    before = scrape(base)
 
     def body(i):
         prompt_len = rng.choice([1, 2, rng.randint(3, 64), rng.randint(64, 300), rng.randint(300, limit - 40)])
-        b = {"prompt": [1] + [rng.randint(3, 511) for _ in range(prompt_len - 1)],
+        prompt = [1] + [rng.randint(3, 511) for _ in range(prompt_len - 1)]
+        if i % 3 == 0:
+            prompt = rng.choice(systems) + prompt[1:rng.randint(1, 100)]
+            prompt_len = len(prompt)
+        b = {"prompt": prompt,
              "max_tokens": rng.randint(1, min(32, limit - prompt_len)),
              "temperature": rng.choice([0, 0, 0.7, 1.0]), "top_p": rng.choice([1.0, 0.9]),
              "top_k": rng.choice([0, 0, 50]), "min_p": rng.choice([0.0, 0.05]),
@@ -211,10 +221,13 @@ def test_mixed_workload_never_recompiles_and_leaks_nothing(server):
     assert metrics["jaxserve:compilations_total"] == 0
     assert metrics["jaxserve:num_requests_running"] == 0
     assert metrics["jaxserve:num_requests_waiting"] == 0
-    assert metrics["jaxserve:kv_cache_usage_perc"] == 0
+    assert metrics["jaxserve:kv_cache_usage_perc"] == 0  # idle cached pages count as free
     assert metrics["jaxserve:e2e_request_latency_seconds_count"] >= 210
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
-    assert engine.scheduler.num_free_slots == engine.scheduler_config.max_num_seqs
+    hits = metrics["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"]
+    queries = metrics["jaxserve:prefix_cache_queries_total"] - before["jaxserve:prefix_cache_queries_total"]
+    assert hits >= 60 * 32 and queries >= sum(len(b["prompt"]) for b in bodies) > hits
+    assert "jaxserve:num_preemptions_total" in metrics
+    assert_pages_released(engine.scheduler)
     assert sum(d is not None for d in drops) > 10 and engine.stats.finished.get("abort", 0) > 0
 
 
@@ -229,3 +242,26 @@ def test_health_is_503_until_warm():
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
         r = http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503
+
+
+def test_prefix_cache_metrics_and_cache_salt(server):
+    base, async_engine = server
+    rng = random.Random(7)
+    system = [1] + [rng.randint(3, 511) for _ in range(99)]  # 100 tokens: 6 full pages of 16
+
+    def send(suffix, salt=None):
+        body = {"prompt": system + suffix, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        before = scrape(base)
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        after = scrape(base)
+        return {k: after[f"jaxserve:prefix_cache_{k}_total"] - before[f"jaxserve:prefix_cache_{k}_total"]
+                for k in ("queries", "hits")}
+
+    assert send([5, 6], salt="a") == {"queries": 102, "hits": 0}
+    assert send([7, 8], salt="a") == {"queries": 102, "hits": 96}
+    assert send([7, 8], salt="b")["hits"] == 0  # another salt shares nothing
+    assert send([9])["hits"] == 0  # nor does no salt
+    assert send([9, 10])["hits"] == 96
