@@ -6,18 +6,21 @@ Every kernel wrapper does the same three things before its `pallas_call`:
 2. pick a static block of pages (`pages_per_block`) and pad the page table with the null page 0 to a
    multiple of it, so a kernel never reads past the end of a table row;
 3. pad small dimensions (query-group rows, chunk length) to what the backend's matmul wants.
+Inside the kernels, `block_scores` and `online_softmax_step` are the flash-attention block math all four
+share; each kernel only decides which keys a row may see (`valid`) and where the running state lives.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.reference import MASK_VALUE, validate_paged_inputs
 
 __all__ = ["MASK_VALUE", "check_decode_args", "check_prefill_args", "check_options", "pick_pages_per_block",
            "pad_page_table", "round_up", "next_pow2", "is_pow2", "dot_precision",
-           "tpu_interpret_params"]
+           "tpu_interpret_params", "block_scores", "online_softmax_step"]
 
 
 def round_up(x: int, m: int) -> int:
@@ -101,3 +104,28 @@ def tpu_interpret_params(interpret):
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
     return pltpu.InterpretParams() if interpret else False
+
+
+def block_scores(q: jax.Array, k: jax.Array, *, sm_scale: float, soft_cap: float | None, precision) -> jax.Array:
+    """q [rows, D] against a key block k [block_k, D] -> float32 scores [rows, block_k], scaled and capped."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    return s
+
+
+def online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision):
+    """Fold one key block into the running softmax: acc [rows, D], max m and sum l [rows, 1] (float32).
+
+    Masked keys get weight exactly 0 rather than exp(MASK - m): a row can meet a block it sees none of
+    (window start, causal edge, idle slot), and that block must leave its state unchanged.
+    """
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
+    l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return acc * alpha + pv, m_next, l_next

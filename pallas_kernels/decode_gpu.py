@@ -20,8 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, check_decode_args, dot_precision, is_pow2,
-                                          next_pow2, pad_page_table, pick_pages_per_block)
+from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_decode_args, dot_precision, is_pow2,
+                                          next_pow2, online_softmax_step, pad_page_table, pick_pages_per_block)
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 
@@ -54,29 +54,19 @@ def _decode_kernel(lengths_ref,  # [batch] int32, whole array
         page_ids = page_table_ref[pl.ds(blk * pages_per_block, pages_per_block)]
         k = k_ref[page_ids].reshape(block_k, head_dim)
         v = v_ref[page_ids].reshape(block_k, head_dim)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)
         valid = pos < length
         if sliding_window is not None:
             valid = valid & (pos >= length - sliding_window)
         valid = lax.broadcast_in_dim(valid, (rows, block_k), (1,))
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
     acc, _, l = lax.fori_loop(0, jnp.maximum(end_blk - start_blk, 0), body, init)
     # Idle slots (and padded rows) never accumulate: l == 0 -> output 0, not NaN.
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def _decode_call(q4, k_pages, v_pages, lengths, page_tables, *, sm_scale, soft_cap, sliding_window,

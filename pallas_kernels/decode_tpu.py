@@ -21,8 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, check_decode_args, dot_precision, pad_page_table,
-                                          pick_pages_per_block, round_up, tpu_interpret_params)
+from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_decode_args, dot_precision,
+                                          online_softmax_step, pad_page_table, pick_pages_per_block, round_up,
+                                          tpu_interpret_params)
 
 SUBLANES = 8  # q-group rows are padded to a whole sublane tile
 
@@ -86,24 +87,13 @@ def _decode_kernel(lengths_ref,  # [batch] int32 (SMEM, scalar prefetch)
             c.wait()
         k = k_buf[slot].reshape(block_k, head_dim)
         v = v_buf[slot].reshape(block_k, head_dim)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
         pos = blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = pos < length
         if sliding_window is not None:
             valid = valid & (pos >= length - sliding_window)
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * alpha + pv
-        m_ref[...] = m_next
+        acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s, valid,
+                                                                   v, precision)
         return carry
 
     lax.fori_loop(0, num_iters, body, 0)

@@ -20,8 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, check_prefill_args, dot_precision, is_pow2, next_pow2,
-                                          pad_page_table, pick_pages_per_block, round_up)
+from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_prefill_args, dot_precision, is_pow2,
+                                          next_pow2, online_softmax_step, pad_page_table, pick_pages_per_block,
+                                          round_up)
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 
@@ -62,28 +63,17 @@ def _prefill_kernel(meta_ref,  # [2] int32: q_start, kv_len
         page_ids = page_table_ref[pl.ds(blk * pages_per_block, pages_per_block)]
         k = k_ref[page_ids].reshape(block_k, head_dim)
         v = v_ref[page_ids].reshape(block_k, head_dim)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
         k_pos = lax.broadcast_in_dim(blk * block_k + jnp.arange(block_k, dtype=jnp.int32), (rows, block_k), (1,))
         valid = row_ok & (k_pos <= q_pos_2d) & (k_pos < kv_len)
         if sliding_window is not None:
             valid = valid & (q_pos_2d - k_pos < sliding_window)
-        s = jnp.where(valid, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        # A row can meet a block it sees nothing of (window start, causal edge): its p must be 0, not 1.
-        p = jnp.where(valid, jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
     acc, _, l = lax.fori_loop(0, num_iters, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    out = acc / jnp.where(l > 0, l, 1.0)
     o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
