@@ -1,7 +1,9 @@
 """Engine options (shared by the CLI, the server and the offline `LLM` API) and model construction.
 
 1. `EngineArgs` holds what a user sets; `build_model` resolves it against the checkpoint: dtype, context
-   length, KV page pool, prefill buckets, attention backend.
+   length, KV page pool, prefill buckets, attention backend, and the device mesh (tensor x pipeline
+   parallel, joining `jax.distributed` first when asked), then loads the weights straight onto it
+   (Hugging Face safetensors or an Orbax checkpoint written by `jaxserve convert`).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
    weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
    says what it is; its text is noise.
@@ -17,9 +19,12 @@ import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import pages_needed
+from jaxserve.sharded_model import ShardedModel, load_sharded, shard_module
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import load_model, random_model, resolve_dtype
+from jaxserve.weights import random_model, resolve_dtype
 from pallas_kernels import AttentionBackend, select_attention_backend
+from sharding import ParallelConfig, make_plan
+from sharding.multihost import initialize as initialize_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,7 @@ def demo_model_config() -> ModelConfig:
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None  # Hugging Face directory; None = the built-in demo model
+    model: str | None = None  # Hugging Face or `jaxserve convert` (Orbax) directory; None = the demo model
     served_model_name: str | None = None
     dtype: str = "auto"
     max_num_seqs: int = 8
@@ -44,16 +49,26 @@ class EngineArgs:
     prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
     attention_backend: str = "auto"
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
+    tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
+    pipeline_parallel_size: int = 1  # pipeline stages (contiguous blocks of layers)
+    distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
+        self.parallel  # validates the sizes now, not at model build time
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
 @dataclasses.dataclass
 class BuiltModel:
     name: str
-    model: object
+    model: ShardedModel
     model_config: ModelConfig
     tokenizer: Tokenizer
     dtype: object
@@ -71,18 +86,23 @@ def default_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
+    # Before anything touches a device: afterwards jax.devices() lists every host's devices.
+    initialize_distributed(args.distributed_coordinator, args.num_processes, args.process_id)
     attention = select_attention_backend(args.attention_backend)
+    config = demo_model_config() if args.model is None else ModelConfig.from_pretrained(args.model)
+    plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    logger.info("%s", plan.describe())
     if args.model is None:
-        config = demo_model_config()
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
                        "tokenizer; its output is noise)", DEMO_MODEL_NAME)
-        model, tokenizer, name = random_model(config, dtype, args.demo_weights_seed), Tokenizer.byte_level(), DEMO_MODEL_NAME
+        model = shard_module(random_model(config, dtype, args.demo_weights_seed), config, dtype, plan)
+        tokenizer, name = Tokenizer.byte_level(), DEMO_MODEL_NAME
     else:
-        config = ModelConfig.from_pretrained(args.model)
         dtype = resolve_dtype(args.dtype, config)
         tokenizer = Tokenizer.from_pretrained(args.model)
-        model = load_model(args.model, config, dtype)
+        model = load_sharded(args.model, config, dtype, plan)
         name = Path(args.model).resolve().name
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
