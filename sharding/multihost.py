@@ -64,6 +64,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     return jax.process_count() > 1
 
 
+def shutdown() -> None:
+    """Leave the distributed runtime (a barrier with the other processes), if this process joined it.
+
+    Process 0 hosts the coordination service: if it vanished first, the followers still connected to it
+    would abort. Leaving together lets everyone exit cleanly; call it where a process may be killed
+    right after (the server re-raises SIGTERM once it has shut down).
+    """
+    global _initialized
+    if _initialized:
+        _initialized = False
+        jax.distributed.shutdown()
+
+
 def is_leader() -> bool:
     return jax.process_index() == 0
 
@@ -77,6 +90,8 @@ class StepChannel:
     def send(self, kind: int, size: int = 0, flag: int = 0, batch=None) -> None:
         if not self.active:
             return
+        if kind == END:
+            logger.info("releasing the follower processes")
         _broadcast(np.array([kind, size, flag], np.int32))
         if batch is not None:
             _broadcast(batch)
