@@ -75,3 +75,19 @@ def test_one_device_plan_and_bad_sizes():
     assert plan.mesh.devices.flat[0] == jax.devices()[0] and plan.layers_per_stage == 5
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0)
+
+
+def test_docs_name_real_flags_and_process_0_serving():
+    import argparse
+
+    from jaxserve.cli import add_engine_args
+
+    doc = (ROOT / "docs" / "sharding.md").read_text()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    known = {o for a in parser._actions for o in a.option_strings}
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-coordinator",
+                 "--num-processes", "--process-id"):
+        assert flag in doc and flag in known
+    for topic in ("TPU", "GPU", "Process 0", "broadcast_one_to_all", "jaxserve convert"):
+        assert topic in doc
