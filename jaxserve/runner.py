@@ -109,12 +109,11 @@ class ModelRunner:
         step_kwargs = dict(graphdef=self.graphdef, attention=attention, config=model_config, pp=plan.pp)
 
         def sharded(local, **static):
-            body = jax.shard_map(functools.partial(local, **step_kwargs, **static), mesh=plan.mesh,
+            # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
+            # then computed identically on every device); we do not ask JAX to prove it per value.
+            return jax.shard_map(functools.partial(local, **step_kwargs, **static), mesh=plan.mesh,
                                  in_specs=(model.specs, kv_specs, P()), out_specs=(kv_specs, P(), P()),
-                                 # Outputs are replicated by construction (all-reduced / all-gathered);
-                                 # the replication checker does not follow all_gather, so it is off.
                                  check_vma=False)
-            return body
 
         def prefill(params, kv_cache, batch, all_logits):
             return sharded(_prefill_local, all_logits=all_logits)(params, kv_cache, batch)
