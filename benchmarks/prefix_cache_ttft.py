@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.config import ModelConfig
-from jaxserve.engine_args import assemble
+from jaxserve.engine_args import build_from_module
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import random_model
 
@@ -66,7 +66,8 @@ def build_engine(a: argparse.Namespace) -> Engine:
     print(f"model: random Llama, {n_params / 1e6:.1f}M parameters (hidden {a.hidden}, {a.layers} layers, "
           f"vocab {a.vocab}), float32, max_model_len {max_model_len}", flush=True)
     # Token-id prompts: the byte-level tokenizer only detokenizes the sampled ids (unknown ids decode to "").
-    engine = Engine(args, built=assemble(args, "random-llama", model, config, Tokenizer.byte_level(), jnp.float32))
+    built = build_from_module(args, "random-llama", model, config, Tokenizer.byte_level(), jnp.float32)
+    engine = Engine(args, built=built)
     print(f"warm-up: compiled in {engine.warmup():.1f}s", flush=True)
     return engine
 

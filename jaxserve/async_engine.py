@@ -7,6 +7,7 @@
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.
+5. Multi-host: this runs on process 0 only; when the loop ends it releases the follower processes.
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ class AsyncEngine:
             self.ready.set()
             for request_id in list(self._queues):
                 self._post(request_id, EngineDeadError(self.error))
+        finally:
+            if self.engine is not None and self.ready.is_set():
+                try:
+                    self.engine.end_call()  # multi-host: release the follower processes
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    logger.exception("could not release follower processes")
 
     def _post(self, request_id: str, item) -> None:
         target = self._queues.get(request_id)

@@ -1,4 +1,10 @@
-"""Command line: `jaxserve generate ...` (offline, one prompt) and `jaxserve serve ...` (HTTP server)."""
+"""Command line: `jaxserve generate ...` (offline, one prompt), `jaxserve serve ...` (HTTP server) and
+`jaxserve convert ...` (Hugging Face safetensors -> Orbax checkpoint).
+
+Multi-host: start the same command on every host with `--distributed-coordinator HOST:PORT
+--num-processes N --process-id I` (or `--distributed-coordinator auto` on Cloud TPU / SLURM). Process 0
+prints the completion or serves HTTP; the others run its device steps and exit when it is done.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-buckets", default=None,
                    help="comma-separated prefill chunk lengths (default: 16,32,...,512)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("device mesh and multi-host")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices that split each layer (attention heads, MLP columns, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages, each a contiguous block of layers")
+    g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed ('auto': detect Cloud TPU / SLURM / MPI; "
+                        "default: $JAX_COORDINATOR_ADDRESS or single-process)")
+    g.add_argument("--num-processes", type=int, default=None, help="default: $JAX_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="default: $JAX_PROCESS_ID")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -47,15 +67,37 @@ def _generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
                             max_tokens=ns.max_tokens, seed=ns.seed)
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-    output = llm.generate([ns.prompt], params)[0].outputs[0]
+    results = llm.generate([ns.prompt], params)
+    if not results:  # a follower process in a multi-host run: process 0 prints
+        return 0
+    output = results[0].outputs[0]
     sys.stdout.write(output.text + "\n")
     logging.getLogger("jaxserve").info("%d tokens, finish_reason=%s", len(output.token_ids), output.finish_reason)
     return 0
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    args = engine_args_from(ns)
+    from sharding.multihost import initialize, is_leader
+    if initialize(args.distributed_coordinator, args.num_processes, args.process_id) and not is_leader():
+        # Followers never import the HTTP stack: they run process 0's steps until it shuts down.
+        from jaxserve.engine import Engine
+        engine = Engine(args)
+        engine.warmup()
+        engine.follow()
+        return 0
     from server.app import serve
-    serve(engine_args_from(ns), host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir)
+    serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir)
+    return 0
+
+
+def _convert(ns: argparse.Namespace) -> int:
+    from jaxserve.checkpoint import convert
+    from sharding import ParallelConfig
+    from sharding.multihost import initialize
+    initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
+    convert(ns.model, ns.output, ns.dtype, ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size))
+    sys.stdout.write(f"{ns.output}\n")
     return 0
 
 
@@ -81,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                      help="JAX persistent compilation cache ('' to disable)")
     srv.set_defaults(func=_serve)
+
+    conv = sub.add_parser("convert", help="write a Hugging Face checkpoint as an Orbax checkpoint that --model serves")
+    conv.add_argument("--model", required=True, help="Hugging Face model directory")
+    conv.add_argument("--output", required=True, help="new directory for the Orbax checkpoint")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="stored precision (auto: the checkpoint's own)")
+    add_parallel_args(conv)
+    conv.set_defaults(func=_convert)
 
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -8,6 +8,9 @@
    conditions (EOS ids, stop_token_ids, stop strings, max_tokens, context length), free what finished.
 3. It returns a `RequestOutput` per request that progressed, carrying the newly final text (for
    streaming) and the cumulative result (for the offline API).
+4. Multi-host: only process 0 (the leader) schedules and steps; the other processes build the same
+   engine and `follow` the leader's device steps (see `sharding/multihost.py`). `warmup` and each burst
+   of leader steps end with `end_call`, which returns the followers from `follow`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jaxserve.runner import ModelRunner, SlotSampling
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Plan, Request, Scheduler, Status
 from jaxserve.tokenizer import IncrementalDetokenizer
+from sharding import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ class CompileCounter:
 
 class Engine:
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
-        """`built`: a model assembled by the caller (`engine_args.assemble`); default: `build_model(args)`."""
+        """`built`: a model assembled by the caller (`engine_args.build_from_module`); default: `build_model(args)`."""
         CompileCounter.install()
         self.args = args
         built = built or build_model(args)
@@ -101,6 +105,8 @@ class Engine:
         self.runner = ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config,
                                   built.attention, built.dtype)
         self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
+        self.plan = built.model.plan
+        self.is_leader = multihost.is_leader()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self.compilations_at_warmup: int | None = None
@@ -120,9 +126,29 @@ class Engine:
     # ---- warm-up and compile accounting -------------------------------------------------------------
 
     def warmup(self) -> float:
-        seconds = self.runner.warmup()
+        start = time.perf_counter()
+        if self.is_leader:
+            self.runner.warmup()
+            self.end_call()
+        else:
+            self.follow()
         self.compilations_at_warmup = CompileCounter.count
-        return seconds
+        return time.perf_counter() - start
+
+    @property
+    def multiprocess(self) -> bool:
+        return self.plan.process_count > 1
+
+    def end_call(self) -> None:
+        """Leader: release the followers from `follow` (no-op in a single-process run)."""
+        if self.multiprocess and self.is_leader:
+            self.runner.end_call()
+
+    def follow(self) -> int:
+        """Follower: run the leader's device steps until it calls `end_call`."""
+        if not self.multiprocess or self.is_leader:
+            return 0
+        return self.runner.follow()
 
     @property
     def compilations_since_warmup(self) -> int:

@@ -1,8 +1,10 @@
 """Engine options (shared by the CLI, the server and the offline `LLM` API) and model construction.
 
-1. `EngineArgs` holds what a user sets; `build_model` loads the checkpoint and `assemble` resolves the
-   rest against it: context length, prefill buckets, attention backend, and — once the weights are on
-   the device — the KV page pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
+1. `EngineArgs` holds what a user sets; `build_model` creates the device mesh (tensor x pipeline
+   parallel, joining `jax.distributed` first when asked) and loads the weights straight onto it (Hugging
+   Face safetensors or an Orbax checkpoint written by `jaxserve convert`); `assemble` resolves the rest:
+   context length, prefill buckets, attention backend, and — once the weights are on the device — the
+   KV page pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
    weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
    says what it is; its text is noise.
@@ -18,9 +20,12 @@ import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_budget import resolve_kv_budget
+from jaxserve.sharded_model import ShardedModel, load_sharded, shard_module
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import load_model, random_model, resolve_dtype
+from jaxserve.weights import random_model, resolve_dtype
 from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
+from sharding import ParallelConfig, make_plan
+from sharding.multihost import initialize as initialize_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,7 @@ def demo_model_config() -> ModelConfig:
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None  # Hugging Face directory; None = the built-in demo model
+    model: str | None = None  # Hugging Face or `jaxserve convert` (Orbax) directory; None = the demo model
     served_model_name: str | None = None
     dtype: str = "auto"
     max_num_seqs: int = 8
@@ -48,6 +53,11 @@ class EngineArgs:
     prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
     attention_backend: str = "auto"
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
+    tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
+    pipeline_parallel_size: int = 1  # pipeline stages (contiguous blocks of layers)
+    distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         if self.model is not None and not Path(self.model).is_dir():
@@ -60,12 +70,17 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.parallel  # validates the sizes now, not at model build time
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
 @dataclasses.dataclass
 class BuiltModel:
     name: str
-    model: object
+    model: ShardedModel
     model_config: ModelConfig
     tokenizer: Tokenizer
     dtype: object
@@ -83,25 +98,42 @@ def default_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
+    config = demo_model_config() if args.model is None else ModelConfig.from_pretrained(args.model)
+    plan = _mesh_plan(args, config)
     if args.model is None:
-        config = demo_model_config()
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
                        "tokenizer; its output is noise)", DEMO_MODEL_NAME)
-        model = random_model(config, dtype, args.demo_weights_seed)
+        model = shard_module(random_model(config, dtype, args.demo_weights_seed), config, dtype, plan)
         tokenizer, name = Tokenizer.byte_level(), DEMO_MODEL_NAME
     else:
-        config = ModelConfig.from_pretrained(args.model)
         dtype = resolve_dtype(args.dtype, config)
         tokenizer = Tokenizer.from_pretrained(args.model)
-        model = load_model(args.model, config, dtype)
+        model = load_sharded(args.model, config, dtype, plan)
         name = Path(args.model).resolve().name
-    return assemble(args, name, model, config, tokenizer, dtype)
+    return _finish_build(args, name, model, config, tokenizer, dtype)
 
 
-def assemble(args: EngineArgs, name: str, model, config: ModelConfig, tokenizer: Tokenizer, dtype) -> BuiltModel:
-    """Everything but the weights, for a model already on the device: from `build_model`, or from a
-    caller that builds its own (benchmarks with a random model of a chosen size)."""
+def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,
+                      dtype) -> BuiltModel:
+    """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
+    shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
+    model = shard_module(module, config, dtype, _mesh_plan(args, config))
+    return _finish_build(args, name, model, config, tokenizer, dtype)
+
+
+def _mesh_plan(args: EngineArgs, config: ModelConfig):
+    # Before anything touches a device: afterwards jax.devices() lists every host's devices.
+    initialize_distributed(args.distributed_coordinator, args.num_processes, args.process_id)
+    plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    logger.info("%s", plan.describe())
+    return plan
+
+
+def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer,
+                  dtype) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh."""
     attention = select_attention_backend(args.attention_backend)
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:

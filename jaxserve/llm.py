@@ -2,6 +2,10 @@
 
 It runs on the same engine and scheduler as the server: all prompts are queued at once and batched
 continuously, and the results come back in prompt order.
+
+Multi-host (`distributed_coordinator=...`): run the same script on every host. Process 0's calls do the
+work and return the outputs; on the other processes each call runs process 0's device steps for that
+call and returns an empty list.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from jaxserve.sampling import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
-        """`model`: a Hugging Face model directory (None: the built-in demo model). Other keyword
-        arguments are `EngineArgs` fields: dtype, max_num_seqs, max_model_len, page_size, num_pages,
-        kv_cache_memory, gpu_memory_utilization, enable_prefix_caching (on by default),
-        prefill_buckets, attention_backend."""
+        """`model`: a Hugging Face model directory or an Orbax checkpoint from `jaxserve convert` (None:
+        the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
+        max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
+        enable_prefix_caching (on by default), prefill_buckets, attention_backend, tensor_parallel_size,
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
 
@@ -35,6 +40,15 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
+        if not self.engine.is_leader:
+            self.engine.follow()
+            return []
+        try:
+            return self._generate(prompts, sampling_params, use_tqdm)
+        finally:
+            self.engine.end_call()
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -57,11 +71,17 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
+        if not self.engine.is_leader:
+            return self.generate([], sampling_params)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                                  chat_template=chat_template),
-                                    add_special_tokens=False) for c in conversations]
+        try:
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                                      chat_template=chat_template),
+                                        add_special_tokens=False) for c in conversations]
+        except Exception:
+            self.engine.end_call()  # followers are waiting in this call's generate
+            raise
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

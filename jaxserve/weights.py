@@ -1,11 +1,13 @@
-"""Weights: Hugging Face safetensors straight into device arrays of the chosen dtype.
+"""Weights: Hugging Face safetensors read by parameter path, as whole tensors or as slices.
 
 1. Build the model abstractly (`nnx.eval_shape`: no memory, no random init) to learn every parameter's
    path, shape and dtype.
 2. Map each parameter path to its Hugging Face tensor name (`model.layers.0.self_attn.q_proj.weight`),
-   find the file that holds it (single file or `model.safetensors.index.json`), read it, transpose
-   linear kernels (HF stores [out, in]) and cast to the target dtype.
-3. Merge into a live module. Missing tensors and shape mismatches are errors that name the tensor.
+   find the file that holds it (single file or `model.safetensors.index.json`) and hand out a reader
+   for any region of it: `get_slice` reads only that region (transposed for linear kernels, which HF
+   stores [out, in]). The engine's sharded loader (`sharded_model.py`) asks each device's slice.
+3. `load_model` reads whole tensors into one unsharded module (notebooks, single-device tools).
+   Missing tensors and shape mismatches are errors that name the tensor.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import model_class
@@ -68,38 +70,72 @@ def abstract_model(config: ModelConfig, dtype):
     return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
+class SafetensorsReader:
+    """Slices of Hugging Face tensors by NNX parameter path, read with `get_slice` (never the whole file)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        self.files = safetensors_files(self.model_dir)
+        self._handles: dict[Path, object] = {}
+
+    def _slice(self, path: tuple):
+        name, transpose = hf_tensor_name(path)
+        if name not in self.files:
+            raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="np").__enter__()
+        return name, transpose, self._handles[file].get_slice(name)
+
+    def reader(self, path: tuple, shape: tuple[int, ...]):
+        """A function index -> numpy region of the parameter at `path` (NNX layout, [in, out] kernels)."""
+        name, transpose, view = self._slice(path)
+        stored = tuple(view.get_shape())
+        if (stored[::-1] if transpose else stored) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {stored}, the config implies "
+                             f"{tuple(shape[::-1]) if transpose else tuple(shape)}")
+        if transpose:  # HF stores linear weights [out, in]
+            return lambda index: view[index[1], index[0]].T
+        return lambda index: view[index] if index else view[:]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+
+class ModuleReader:
+    """Slices of an in-memory module's parameters (the built-in demo model, tests)."""
+
+    def __init__(self, module: nnx.Module):
+        self.params = {tuple(str(p) for p in path): value for path, value in
+                       _flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param)))}
+
+    def reader(self, path: tuple, shape: tuple[int, ...]):
+        value = np.asarray(self.params[tuple(str(p) for p in path)])
+        if value.shape != tuple(shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has shape {value.shape}, expected {shape}")
+        return lambda index: value[index]
+
+    def close(self) -> None:
+        self.params.clear()
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
+    """The whole model on the default device (unsharded): for notebooks and single-device tools."""
     model_dir = Path(model_dir)
     graphdef, state = nnx.split(abstract_model(config, dtype))
     wanted = nnx.to_pure_dict(state)
-    files = safetensors_files(model_dir)
-    flat = list(_flatten(wanted))
+    source = SafetensorsReader(model_dir)
     start = time.perf_counter()
-    handles: dict[Path, object] = {}
-    loaded_bytes = 0
     try:
-        for path, spec in tqdm(flat, desc="Loading weights", unit="tensor", disable=len(flat) < 50):
-            name, transpose = hf_tensor_name(path)
-            if name not in files:
-                raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(file, framework="flax").__enter__()
-            tensor = handles[file].get_tensor(name)
-            if transpose:
-                tensor = tensor.T
-            if tensor.shape != spec.shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
-                                 f"{tuple(spec.shape)}")
-            value = jnp.asarray(tensor, dtype=spec.dtype)
-            loaded_bytes += value.size * value.dtype.itemsize
-            _set(wanted, path, value)
+        for path, spec in _flatten(wanted):
+            read = source.reader(path, spec.shape)
+            _set(wanted, path, jnp.asarray(read(tuple(slice(None) for _ in spec.shape)), dtype=spec.dtype))
     finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+        source.close()
     nnx.replace_by_pure_dict(state, wanted)
-    logger.info("loaded %d tensors (%.1f MB) from %s as %s in %.1fs", len(flat), loaded_bytes / 1e6,
-                model_dir, jnp.dtype(dtype).name, time.perf_counter() - start)
+    logger.info("loaded %s as %s in %.1fs", model_dir, jnp.dtype(dtype).name, time.perf_counter() - start)
     return nnx.merge(graphdef, state)
 
 

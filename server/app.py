@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.sampling import InvalidParameter
 from server.metrics import Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from sharding import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +305,15 @@ def build_app(async_engine: AsyncEngine) -> Starlette:
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
-    app = Starlette(routes=[
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so code after uvicorn.run may never run:
+        # stop the engine here, where a multi-host leader also releases its follower processes.
+        await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, multihost.shutdown)
+
+    app = Starlette(lifespan=lifespan, routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),

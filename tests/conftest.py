@@ -6,6 +6,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
+# tests/multidevice needs 8 fake CPU devices, fixed when JAX starts: tests/test_sharding.py runs it as a
+# separate pytest process with JAX_NUM_CPU_DEVICES=8 and JAXSERVE_MULTIDEVICE=1.
+collect_ignore = [] if os.environ.get("JAXSERVE_MULTIDEVICE") == "1" else ["multidevice"]
+
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:

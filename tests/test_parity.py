@@ -15,8 +15,9 @@ import pytest
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
 from jaxserve.runner import ModelRunner, SlotSampling
-from jaxserve.weights import load_model
+from jaxserve.sharded_model import load_sharded
 from pallas_kernels.dispatch import select_attention_backend
+from sharding import ParallelConfig, make_plan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
@@ -33,7 +34,9 @@ def test_prefill_then_decode_matches_transformers(case):
     golden = np.load(FIXTURES / case / "golden.npz")
     ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
     config = ModelConfig.from_pretrained(FIXTURES / case)
-    model = load_model(FIXTURES / case, config, jnp.float32)
+    plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
     slots = 3
     runner = ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=32),
                          SchedulerConfig(max_num_seqs=slots, max_model_len=128, prefill_buckets=(16, 32)),

@@ -1,0 +1,47 @@
+"""Tensor-parallel pieces of the model: the three places where shards have to talk.
+
+Inside the engine's `shard_map`, every parameter is the local shard the partition rules
+(`sharding/rules.py`) gave this device, so most of the model runs unchanged on local heads and local
+MLP columns. Three operations need the whole tensor-parallel group (`axis`; None = unsharded):
+1. `embed`: the embedding is split over the vocabulary; each device looks up the tokens in its range,
+   contributes zeros for the rest, and an all-reduce assembles the rows (exact: one non-zero term).
+2. `row_parallel`: o_proj and down_proj take split inputs and produce partial sums; an all-reduce adds
+   them, and the bias (replicated) is added once, after it.
+3. `gather_vocab`: the LM head produces logits for the local vocabulary slice; an all-gather
+   concatenates them and zero-padding columns (vocab rounded up to a multiple of tp) are dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Axis = str | tuple[str, ...] | None
+
+
+def embed(module: nnx.Embed, tokens: jax.Array, axis: Axis) -> jax.Array:
+    if axis is None:
+        return module(tokens)
+    (table,) = module.promote_dtype((module.embedding[...],), dtype=module.dtype, inexact=False)
+    rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(axis) * rows
+    inside = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+    return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), axis)
+
+
+def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis) -> jax.Array:
+    if axis is None:
+        return linear(x)
+    bias = linear.bias[...] if linear.bias is not None else None
+    x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
+    y = linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
+    y = jax.lax.psum(y, axis)
+    return y if bias is None else y + bias
+
+
+def gather_vocab(logits: jax.Array, axis: Axis, vocab_size: int) -> jax.Array:
+    if axis is not None:
+        logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    return logits[..., :vocab_size]

@@ -1,0 +1,87 @@
+"""Sharded loading helpers: build device arrays one shard at a time, then re-label them without copying.
+
+1. `array_from_reader` fills one parameter on its sharding: for each device this process addresses it
+   asks the reader for exactly that device's slice of the checkpoint tensor (zero-padded past the
+   tensor's end when the layout pads), puts it on the device and drops the host copy. Devices that hold
+   the same slice (replicas) share one read. Host memory in flight is one shard, never the tensor, let
+   alone the model.
+2. A layer's parameters are built on its pipeline stage's devices only (a sub-mesh). `stack_stages`
+   then declares the stages' arrays for one layer slot to be the shards of a single array over the
+   whole mesh, stacked along dim 0 and split over the pipeline axis: the same device buffers, no copy.
+   Padding slots (past the last layer) get zero shards.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so checkpoint slices can be bf16
+import numpy as np
+from jax.sharding import NamedSharding
+
+from sharding.mesh import MeshPlan
+
+# reader(index) -> the checkpoint tensor's region at `index` (slices clipped to the tensor's shape)
+Reader = Callable[[tuple[slice, ...]], np.ndarray]
+
+
+def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def read_padded(read: Reader, bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The region `bounds` of a tensor of logical `shape`; the part past its end is zeros."""
+    clipped = tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape))
+    want = tuple(b - a for a, b in bounds)
+    have = tuple(b - a for a, b in clipped)
+    if all(h > 0 for h in have):
+        data = np.ascontiguousarray(np.asarray(read(tuple(slice(a, b) for a, b in clipped))).astype(dtype))
+    else:
+        data = np.zeros(have, dtype)
+    if have != want:
+        data = np.pad(data, [(0, w - h) for w, h in zip(want, have)])
+    return data
+
+
+def array_from_reader(shape: tuple[int, ...], padded: tuple[int, ...], sharding: NamedSharding, dtype,
+                      read: Reader) -> jax.Array:
+    """A `padded`-shape array on `sharding`, filled device by device from a tensor of shape `shape`."""
+    index_map = sharding.addressable_devices_indices_map(padded)
+    by_bounds = sorted(((_normalise(index, padded), device) for device, index in index_map.items()),
+                       key=lambda item: (item[0], item[1].id))
+    shards, last, host = [], None, None
+    for bounds, device in by_bounds:
+        if bounds != last:
+            host, last = read_padded(read, bounds, shape, dtype), bounds
+        shards.append(jax.device_put(host, device))
+    del host
+    # dtype: on a multi-host mesh this process may hold no shard of a stage that lives elsewhere.
+    return jax.make_array_from_single_device_arrays(padded, sharding, shards, dtype=np.dtype(dtype))
+
+
+def stack_stages(pieces: Sequence[jax.Array | None], plan: MeshPlan, spec) -> jax.Array:
+    """Per-stage arrays of one layer slot (None = padding) -> one array [pp * d0, ...] on the whole mesh.
+
+    `pieces[s]` lives on stage s's sub-mesh; `spec` is the runtime PartitionSpec (pipeline first on dim 0).
+    """
+    template = next(p for p in pieces if p is not None)
+    shape = (plan.pp * template.shape[0],) + tuple(template.shape[1:])
+    sharding = NamedSharding(plan.mesh, spec)
+    shard_shape = sharding.shard_shape(shape)
+    local = {d.id for d in jax.local_devices()}
+    shards = []
+    for stage, piece in enumerate(pieces):
+        if piece is not None:
+            shards.extend(s.data for s in piece.addressable_shards)
+            continue
+        for device in plan.mesh.devices[stage].flat:
+            if device.id in local:
+                shards.append(jax.device_put(np.zeros(shard_shape, template.dtype), device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=template.dtype)
+
+
+def zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
+    """A zero array created directly in its shards (never whole on one device or host)."""
+    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()

@@ -1,0 +1,128 @@
+"""Partition rules: a table from parameter path to logical axes, and one from logical axes to mesh axes.
+
+1. `PARAM_RULES` names, per parameter path pattern, what each dimension of the parameter *is*
+   (`vocab`, `heads`, `kv_heads`, `mlp`, or None for dimensions kept whole). Megatron's layout follows
+   from it: q/k/v and gate/up are column-parallel (their output dimension is split), o_proj and down_proj
+   are row-parallel (their input dimension is split, so each device holds a partial sum that the model
+   all-reduces), the embedding and LM head are split over the vocabulary.
+2. `LOGICAL_TO_MESH` maps those names to mesh axes: everything tensor-parallel uses the whole tensor
+   group, except KV heads, which use only the `tensor` axis and so are replicated over `kv_replica`.
+3. `param_layout` turns a parameter's path and shape into its padded shape and PartitionSpec on a stage's
+   tensor group. `vocab` and `mlp` dimensions that do not divide are padded with zeros (zero embedding
+   rows and LM-head columns are sliced off the logits; silu(0) * 0 = 0 in the MLP), so e.g. an
+   intermediate size of 172 still splits eight ways. Heads must divide: that is checked at mesh creation.
+4. Layer parameters get the pipeline axis in front of their first dimension at run time
+   (`runtime_spec`): the stages' copies of layer slot j are stacked along dim 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jax.sharding import PartitionSpec as P
+
+from sharding.mesh import PIPELINE, TENSOR, TP_AXES
+
+# Parameter path ("layers/3/self_attn/q_proj/kernel") pattern -> logical axis of each dimension.
+# Kernels are [in, out] (Flax layout); the embedding is [vocab, hidden].
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"^embed_tokens/embedding$", ("vocab", None)),
+    (r"^lm_head/kernel$", (None, "vocab")),
+    (r"/self_attn/q_proj/kernel$", (None, "heads")),
+    (r"/self_attn/q_proj/bias$", ("heads",)),
+    (r"/self_attn/[kv]_proj/kernel$", (None, "kv_heads")),
+    (r"/self_attn/[kv]_proj/bias$", ("kv_heads",)),
+    (r"/self_attn/o_proj/kernel$", ("heads", None)),
+    (r"/self_attn/o_proj/bias$", (None,)),  # added once, after the all-reduce
+    (r"/mlp/(gate|up)_proj/kernel$", (None, "mlp")),
+    (r"/mlp/(gate|up)_proj/bias$", ("mlp",)),
+    (r"/mlp/down_proj/kernel$", ("mlp", None)),
+    (r"/mlp/down_proj/bias$", (None,)),
+    (r"norm/weight$", (None,)),  # RMSNorm weights (input, post-attention, final, q/k norms)
+)
+
+LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {
+    "vocab": TP_AXES,
+    "heads": TP_AXES,
+    "mlp": TP_AXES,
+    "kv_heads": TENSOR,
+}
+
+PADDABLE = frozenset({"vocab", "mlp"})  # zero padding along these is exact
+
+# KV cache pages per layer: [num_kv_heads, num_pages, page_size, head_dim].
+KV_CACHE_AXES = ("kv_heads", None, None, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    shape: tuple[int, ...]  # as stored in the checkpoint
+    padded: tuple[int, ...]  # as placed on devices
+    spec: P  # over the tensor axes, for the logical (per-layer) parameter
+
+
+def path_str(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    name = path_str(path)
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, name):
+            if len(axes) != ndim:
+                raise ValueError(f"partition rule {pattern!r} has {len(axes)} axes for {ndim}-d parameter {name}")
+            return axes
+    raise ValueError(f"no partition rule matches parameter {name}; add one to sharding/rules.py")
+
+
+def axis_size(mesh_axes: str | tuple[str, ...], mesh_shape: dict[str, int]) -> int:
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes
+    size = 1
+    for n in names:
+        size *= mesh_shape[n]
+    return size
+
+
+def param_layout(path: tuple, shape: tuple[int, ...], mesh_shape: dict[str, int], pad: bool = True) -> ParamLayout:
+    """Padded shape and tensor-axis PartitionSpec of one parameter.
+
+    With pad=False (writing a checkpoint) a dimension that does not divide is kept whole instead.
+    """
+    padded, spec = [], []
+    for dim, axis in zip(shape, logical_axes(path, len(shape))):
+        mesh_axes = LOGICAL_TO_MESH.get(axis) if axis else None
+        n = axis_size(mesh_axes, mesh_shape) if mesh_axes else 1
+        if dim % n == 0:
+            padded.append(dim)
+            spec.append(mesh_axes if n > 1 else None)
+        elif axis in PADDABLE and pad:
+            padded.append(-(-dim // n) * n)
+            spec.append(mesh_axes)
+        elif axis in PADDABLE:
+            padded.append(dim)
+            spec.append(None)
+        else:
+            raise ValueError(f"parameter {path_str(path)} dimension {dim} ({axis}) does not split {n} ways")
+    return ParamLayout(tuple(shape), tuple(padded), P(*spec))
+
+
+def is_layer_param(path: tuple) -> bool:
+    return str(path[0]) == "layers"
+
+
+def runtime_spec(path: tuple, spec: P, ndim: int) -> P:
+    """Layer parameters carry the pipeline axis on dim 0 (stages stacked); the rest are replicated over it."""
+    if not is_layer_param(path):
+        return spec
+    dims = list(spec) + [None] * (ndim - len(spec))
+    first = dims[0]
+    first = () if first is None else ((first,) if isinstance(first, str) else tuple(first))
+    return P((PIPELINE,) + first, *dims[1:])
+
+
+def kv_cache_spec() -> P:
+    """Per-slot KV pages [pp * num_kv_heads, pages, page_size, head_dim]: stages stacked on dim 0, each
+    stage's KV heads split over `tensor` (so replicated over `kv_replica`)."""
+    assert KV_CACHE_AXES[0] == "kv_heads" and LOGICAL_TO_MESH["kv_heads"] == TENSOR
+    return P((PIPELINE, TENSOR), None, None, None)

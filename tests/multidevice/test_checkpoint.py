@@ -1,0 +1,69 @@
+"""An Orbax checkpoint written under tp 2 restores under tp 4 (and tp 4 x pp 2) and under one device,
+straight into those meshes' shardings, with identical parameters and outputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoint import MARKER, PARAMS_DIR
+from jaxserve.cli import main as cli_main
+from jaxserve.config import ModelConfig
+from jaxserve.sharded_model import load_sharded
+from sharding import ParallelConfig, make_plan
+
+PROMPTS = ["Once upon a time", "", "The cat sat on"]
+
+
+@pytest.fixture(scope="module")
+def converted(stories_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "stories260K-orbax"
+    assert cli_main(["convert", "--model", str(stories_dir), "--output", str(out), "--tensor-parallel-size", "2"]) == 0
+    return out
+
+
+def test_convert_writes_orbax_params_config_and_tokenizer(converted):
+    assert (converted / MARKER).is_file()
+    for name in ("config.json", "generation_config.json", "tokenizer.json"):
+        assert (converted / name).is_file()
+    assert not list(converted.glob("*.safetensors"))
+    meta = ocp.PyTreeCheckpointer().metadata(converted / PARAMS_DIR)
+    tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+    q = tree["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    assert tuple(q.shape) == (64, 64)  # the model's own per-layer shape, not a mesh's
+    assert int(np.prod(q.sharding.shape)) == 2  # written from a tp 2 mesh
+    mlp = tree["layers"]["0"]["mlp"]["gate_proj"]["kernel"]
+    assert tuple(mlp.shape) == (64, 172)  # true shape: 172 splits 2 ways, nothing padded
+
+
+def _host_params(model):
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in
+            jax.tree_util.tree_leaves_with_path(model.params)}
+
+
+@pytest.mark.parametrize("tp, pp", [(4, 1), (4, 2), (8, 1), (1, 1)])
+def test_restored_params_equal_safetensors_load(stories_dir, converted, tp, pp):
+    config = ModelConfig.from_pretrained(stories_dir)
+    plan = make_plan(ParallelConfig(tp, pp), num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    from_orbax = load_sharded(converted, config, jnp.float32, plan)
+    from_hf = load_sharded(stories_dir, config, jnp.float32, plan)
+    for a, b in zip(jax.tree.leaves(from_orbax.params), jax.tree.leaves(from_hf.params)):
+        assert a.sharding == b.sharding
+    a, b = _host_params(from_orbax), _host_params(from_hf)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_restored_checkpoint_generates_the_same_tokens(stories_dir, converted):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    reference = [o.outputs[0].token_ids for o in
+                 LLM(str(stories_dir), max_num_seqs=4, prefill_buckets=(16,), max_model_len=128)
+                 .generate(PROMPTS, params)]
+    for tp in (4, 1):
+        llm = LLM(str(converted), max_num_seqs=4, prefill_buckets=(16,), max_model_len=128, tensor_parallel_size=tp)
+        assert llm.engine.model_name == converted.name
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == reference

@@ -1,0 +1,93 @@
+"""Sharding: partition rules and mesh planning (here, one device), and the 8-device suite (subprocess).
+
+JAX fixes its device count when it starts, so tests/multidevice runs as a separate pytest process with
+JAX_NUM_CPU_DEVICES=8 (tensor / pipeline parity, Orbax re-sharding); its output is shown on failure.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sharding import ParallelConfig, make_plan
+from sharding.rules import kv_cache_spec, param_layout, runtime_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_multidevice_suite_on_8_fake_cpu_devices():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", JAXSERVE_MULTIDEVICE="1",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multidevice"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and "passed" in summary and "skipped" not in summary, \
+        result.stdout[-8000:] + result.stderr[-4000:]
+
+
+MESH = {"pipeline": 2, "tensor": 4, "kv_replica": 2}  # tp 8 over a model with 4 KV heads
+
+
+def test_rules_split_heads_mlp_vocab_and_replicate_kv_heads():
+    tp = ("tensor", "kv_replica")
+    assert param_layout(("layers", "0", "self_attn", "q_proj", "kernel"), (64, 64), MESH).spec == P(None, tp)
+    assert param_layout(("layers", "0", "self_attn", "o_proj", "kernel"), (64, 64), MESH).spec == P(tp, None)
+    # KV heads over `tensor` only: the 2 devices of a kv_replica pair hold the same head.
+    assert param_layout(("layers", "0", "self_attn", "k_proj", "kernel"), (64, 32), MESH).spec == P(None, "tensor")
+    assert param_layout(("layers", "0", "self_attn", "o_proj", "bias"), (64,), MESH).spec == P(None)
+    embed = param_layout(("embed_tokens", "embedding"), (500, 64), MESH)
+    assert embed.spec == P(tp, None) and embed.padded == (504, 64)  # vocab padded to a multiple of 8
+    mlp = param_layout(("layers", "3", "mlp", "down_proj", "kernel"), (172, 64), MESH)
+    assert mlp.padded == (176, 64) and mlp.spec == P(tp, None)
+    unpadded = param_layout(("layers", "3", "mlp", "down_proj", "kernel"), (172, 64), MESH, pad=False)
+    assert unpadded.padded == (172, 64) and unpadded.spec == P(None, None)
+    assert runtime_spec(("layers", "0", "mlp", "down_proj", "kernel"), mlp.spec, 2) == \
+        P(("pipeline", "tensor", "kv_replica"), None)
+    assert runtime_spec(("layers", "0", "input_layernorm", "weight"), P(None), 1) == P(("pipeline",))
+    assert runtime_spec(("norm", "weight"), P(None), 1) == P(None)
+    assert kv_cache_spec() == P(("pipeline", "tensor"), None, None, None)
+
+
+def test_heads_must_divide():
+    with pytest.raises(ValueError, match="qkv|q_proj|does not split"):
+        param_layout(("layers", "0", "self_attn", "q_proj", "kernel"), (64, 60), MESH)
+
+
+@pytest.mark.parametrize("tp, pp, match", [
+    (3, 1, "must divide the model's 8 attention heads"),
+    (8, 1, "multiple of them"),  # 6 KV heads
+    (1, 9, "exceeds the model's 5 layers"),
+    (2, 1, "needs 2 devices"),  # this process has one
+])
+def test_plan_errors_name_the_problem(tp, pp, match):
+    kv = 6 if (tp, pp) == (8, 1) else 4
+    with pytest.raises(ValueError, match=match):
+        make_plan(ParallelConfig(tp, pp), num_layers=5, num_heads=24 if kv == 6 else 8, num_kv_heads=kv)
+
+
+def test_one_device_plan_and_bad_sizes():
+    plan = make_plan(ParallelConfig(), num_layers=5, num_heads=8, num_kv_heads=4)
+    assert dict(plan.mesh.shape) == {"pipeline": 1, "tensor": 1, "kv_replica": 1}
+    assert plan.mesh.devices.flat[0] == jax.devices()[0] and plan.layers_per_stage == 5
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ParallelConfig(tensor_parallel_size=0)
+
+
+def test_docs_name_real_flags_and_process_0_serving():
+    import argparse
+
+    from jaxserve.cli import add_engine_args
+
+    doc = (ROOT / "docs" / "sharding.md").read_text()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    known = {o for a in parser._actions for o in a.option_strings}
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--distributed-coordinator",
+                 "--num-processes", "--process-id"):
+        assert flag in doc and flag in known
+    for topic in ("TPU", "GPU", "Process 0", "broadcast_one_to_all", "jaxserve convert"):
+        assert topic in doc
