@@ -21,6 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, timeout: float, still_alive=lambda: True) -> None:
+    """Poll `base`/health until it answers 200; fail early when `still_alive()` turns false."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert still_alive(), "the server process died while starting"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{base} did not become healthy within {timeout}s")
+
+
 @contextlib.contextmanager
 def running_server(args: EngineArgs, ready_timeout: float = 300):
     async_engine = AsyncEngine(args)
@@ -31,17 +45,8 @@ def running_server(args: EngineArgs, ready_timeout: float = 300):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
     try:
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise TimeoutError("server did not become healthy")
+        wait_healthy(base, ready_timeout)
         yield base, async_engine
     finally:
         server.should_exit = True

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_harness import free_port
+from tests.server_harness import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240
@@ -81,17 +81,10 @@ def test_process_0_serves_http_and_releases_the_follower(stories_dir, story_text
              _start(serve + _distributed(port, 1), logs[1])]
     base = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), "\n".join(log.read_text()[-3000:] for log in logs)
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("server did not become healthy:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
+        try:
+            wait_healthy(base, TIMEOUT, still_alive=lambda: all(p.poll() is None for p in procs))
+        except (AssertionError, TimeoutError) as e:
+            pytest.fail(f"{e}:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
                                                        "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text

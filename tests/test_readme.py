@@ -5,12 +5,10 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 
-from tests.server_harness import free_port
+from tests.server_harness import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,15 +23,10 @@ def test_readme_serve_command_and_curl_example(tmp_path):
                              str(tmp_path / "xla")], stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.3)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 240, still_alive=lambda: proc.poll() is None)
+        except AssertionError:
+            raise AssertionError((tmp_path / "serve.log").read_text()) from None
         result = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")], capture_output=True,
                                 text=True, timeout=60)
         body = json.loads(result.stdout)
