@@ -268,14 +268,18 @@ class _Usage:
     def __init__(self, prompt_ids: list[list[int]]):
         self.prompt_tokens = sum(len(p) for p in prompt_ids)
         self.completion = [0] * len(prompt_ids)
+        self.cached = [0] * len(prompt_ids)
 
     def add(self, index: int, out: RequestOutput) -> None:
         self.completion[index] = len(out.outputs[0].token_ids)
+        self.cached[index] = out.num_cached_tokens
 
     def as_dict(self) -> dict:
         done = sum(self.completion)
+        # prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache (OpenAI's field).
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+                "total_tokens": self.prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
 
 
 def _sse(payload: dict) -> str:

@@ -257,8 +257,10 @@ def test_prefix_cache_metrics_and_cache_salt(server):
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         after = scrape(base)
-        return {k: after[f"jaxserve:prefix_cache_{k}_total"] - before[f"jaxserve:prefix_cache_{k}_total"]
-                for k in ("queries", "hits")}
+        deltas = {k: after[f"jaxserve:prefix_cache_{k}_total"] - before[f"jaxserve:prefix_cache_{k}_total"]
+                  for k in ("queries", "hits")}
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == deltas["hits"]
+        return deltas
 
     assert send([5, 6], salt="a") == {"queries": 102, "hits": 0}
     assert send([7, 8], salt="a") == {"queries": 102, "hits": 96}
