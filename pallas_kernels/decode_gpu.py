@@ -20,8 +20,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_decode_args, dot_precision, is_pow2,
-                                          next_pow2, online_softmax_step, pad_page_table, pick_pages_per_block)
+from pallas_kernels._paged_common import (
+    MASK_VALUE,
+    block_scores,
+    check_decode_args,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    online_softmax_step,
+    pad_page_table,
+    pick_pages_per_block,
+)
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 

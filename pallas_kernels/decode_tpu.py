@@ -21,9 +21,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_decode_args, dot_precision,
-                                          online_softmax_step, pad_page_table, pick_pages_per_block, round_up,
-                                          tpu_interpret_params)
+from pallas_kernels._paged_common import (
+    MASK_VALUE,
+    block_scores,
+    check_decode_args,
+    dot_precision,
+    online_softmax_step,
+    pad_page_table,
+    pick_pages_per_block,
+    round_up,
+)
+from pallas_kernels._tpu_call import paged_flash_call
 
 SUBLANES = 8  # q-group rows are padded to a whole sublane tile
 
@@ -109,24 +117,9 @@ def _decode_call(q4, k_pages, v_pages, lengths, page_tables_flat, *, max_pages, 
                                sliding_window=sliding_window, pages_per_block=pages_per_block,
                                max_pages=max_pages, precision=dot_precision(q4.dtype))
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, *_: (b, h, 0, 0))
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(batch, num_kv_heads),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=q_spec,
-        scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, head_dim), jnp.float32)],
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=tpu_interpret_params(interpret),
-        name="paged_decode_attention_mosaic",
-    )(lengths, page_tables_flat, q4, k_pages, v_pages)
+    return paged_flash_call(kernel, (lengths, page_tables_flat), q4, k_pages, v_pages, grid=(batch, num_kv_heads),
+                            q_spec=q_spec, rows=rows, pages_per_block=pages_per_block,
+                            name="paged_decode_attention_mosaic", interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "pages_per_compute_block",

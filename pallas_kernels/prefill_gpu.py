@@ -20,9 +20,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_prefill_args, dot_precision, is_pow2,
-                                          next_pow2, online_softmax_step, pad_page_table, pick_pages_per_block,
-                                          round_up)
+from pallas_kernels._paged_common import (
+    MASK_VALUE,
+    block_scores,
+    check_prefill_args,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    online_softmax_step,
+    pad_page_table,
+    pick_pages_per_block,
+    round_up,
+)
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 

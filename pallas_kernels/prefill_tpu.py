@@ -20,9 +20,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._paged_common import (MASK_VALUE, block_scores, check_prefill_args, dot_precision, is_pow2,
-                                          next_pow2, online_softmax_step, pad_page_table, pick_pages_per_block,
-                                          round_up, tpu_interpret_params)
+from pallas_kernels._paged_common import (
+    MASK_VALUE,
+    block_scores,
+    check_prefill_args,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    online_softmax_step,
+    pad_page_table,
+    pick_pages_per_block,
+    round_up,
+)
+from pallas_kernels._tpu_call import paged_flash_call
 
 MIN_BLOCK_Q = 16  # a bf16 sublane tile, so [G, block_q, D] -> [G * block_q, D] is layout-free
 
@@ -117,24 +127,9 @@ def _prefill_call(q4, k_pages, v_pages, meta, page_table, *, sm_scale, soft_cap,
                                sliding_window=sliding_window, pages_per_block=pages_per_block,
                                precision=dot_precision(q4.dtype))
     q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, *_: (h, 0, i, 0))
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(num_kv_heads, t_pad // block_q),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=q_spec,
-        scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
-                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, head_dim), jnp.float32)],
-    )
-    return pl.pallas_call(
-        kernel,
-        grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=tpu_interpret_params(interpret),
-        name="paged_prefill_attention_mosaic",
-    )(meta, page_table, q4, k_pages, v_pages)
+    return paged_flash_call(kernel, (meta, page_table), q4, k_pages, v_pages, grid=(num_kv_heads, t_pad // block_q),
+                            q_spec=q_spec, rows=rows, pages_per_block=pages_per_block,
+                            name="paged_prefill_attention_mosaic", interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
