@@ -1,22 +1,79 @@
-"""The `pallas_call` both Mosaic (TPU) paged-attention kernels share.
+"""What both Mosaic (TPU) paged-attention kernels share: the pallas_call and the page-streaming loop.
 
-Decode and prefill differ in their grid and query block, not in how they run:
+Decode and prefill differ in their grid, query block and mask, not in how they run:
 1. two scalar-prefetch operands (lengths/metadata and the page table) land in SMEM before the grid starts;
 2. the query block comes in through VMEM by its BlockSpec, K/V pages stay in HBM (`pl.ANY`) and the kernel
    copies them itself into a double-buffered VMEM scratch, with one DMA semaphore per buffer half and
    K/V;
 3. the online softmax keeps its running max, sum ([rows, 1]) and accumulator ([rows, head_dim]) in
    float32 VMEM scratch; both grid axes are independent ("parallel").
+`attend_paged_blocks` is the kernel side of 2 and 3: a kernel computes its block range and mask, and
+the double-buffered DMA protocol (start block i+1, wait for block i, compute) lives here once.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._paged_common import tpu_interpret_params
+from pallas_kernels._paged_common import MASK_VALUE, block_scores, online_softmax_step, tpu_interpret_params
+
+
+def attend_paged_blocks(q: jax.Array, page_id: Callable, k_hbm_ref, v_hbm_ref, k_buf, v_buf, sems, m_ref, l_ref,
+                        acc_ref, *, kv_head, start_blk, num_iters, mask: Callable, sm_scale: float,
+                        soft_cap: float | None, precision) -> jax.Array:
+    """Flash attention of q [rows, head_dim] over key blocks start_blk .. start_blk + num_iters - 1.
+
+    `page_id(i)` is the i-th page of the sequence (a scalar-prefetched table read); `mask(blk)` gives the
+    [rows, block_k] keys each row may see in block `blk`. Returns the normalised output [rows, head_dim]
+    in float32 (zeros for rows that saw nothing).
+    """
+    _, pages_per_block, page_size, head_dim = k_buf.shape
+    block_k = pages_per_block * page_size
+
+    def copies(blk, slot):
+        out = []
+        for j in range(pages_per_block):
+            page = page_id(blk * pages_per_block + j)
+            out.append(pltpu.make_async_copy(k_hbm_ref.at[kv_head, page], k_buf.at[slot, j], sems.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm_ref.at[kv_head, page], v_buf.at[slot, j], sems.at[1, slot]))
+        return out
+
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(num_iters > 0)
+    def _():
+        for c in copies(start_blk, 0):
+            c.start()
+
+    def body(i, carry):
+        blk = start_blk + i
+        slot = lax.rem(i, 2)
+
+        @pl.when(i + 1 < num_iters)
+        def _():  # prefetch the next block into the other buffer half
+            for c in copies(blk + 1, 1 - slot):
+                c.start()
+
+        for c in copies(blk, slot):
+            c.wait()
+        k = k_buf[slot].reshape(block_k, head_dim)
+        v = v_buf[slot].reshape(block_k, head_dim)
+        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s,
+                                                                   mask(blk), v, precision)
+        return carry
+
+    lax.fori_loop(0, num_iters, body, 0)
+    l = l_ref[...]
+    return acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
 def paged_flash_call(kernel, scalars: tuple[jax.Array, jax.Array], q4: jax.Array, k_pages: jax.Array,

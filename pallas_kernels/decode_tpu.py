@@ -22,16 +22,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._paged_common import (
-    MASK_VALUE,
-    block_scores,
     check_decode_args,
     dot_precision,
-    online_softmax_step,
     pad_page_table,
     pick_pages_per_block,
     round_up,
 )
-from pallas_kernels._tpu_call import paged_flash_call
+from pallas_kernels._tpu_call import attend_paged_blocks, paged_flash_call
 
 SUBLANES = 8  # q-group rows are padded to a whole sublane tile
 
@@ -51,7 +48,7 @@ def _decode_kernel(lengths_ref,  # [batch] int32 (SMEM, scalar prefetch)
                    *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
                    pages_per_block: int, max_pages: int, precision):
     b, h = pl.program_id(0), pl.program_id(1)
-    page_size, head_dim = k_buf.shape[2], k_buf.shape[3]
+    page_size = k_buf.shape[2]
     block_k = pages_per_block * page_size
     rows = q_ref.shape[0]
     length = lengths_ref[b]
@@ -63,50 +60,18 @@ def _decode_kernel(lengths_ref,  # [batch] int32 (SMEM, scalar prefetch)
         start_blk = lax.div(jnp.maximum(length - sliding_window, 0), block_k)
     num_iters = jnp.maximum(end_blk - start_blk, 0)
 
-    def copies(blk, slot):
-        out = []
-        for j in range(pages_per_block):
-            page = page_tables_ref[b * max_pages + blk * pages_per_block + j]
-            out.append(pltpu.make_async_copy(k_hbm_ref.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm_ref.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
-        return out
-
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(num_iters > 0)
-    def _():
-        for c in copies(start_blk, 0):
-            c.start()
-
-    q = q_ref[...]
-
-    def body(i, carry):
-        blk = start_blk + i
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < num_iters)
-        def _():  # prefetch the next block into the other buffer half
-            for c in copies(blk + 1, 1 - slot):
-                c.start()
-
-        for c in copies(blk, slot):
-            c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
-        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    def mask(blk):
         pos = blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = pos < length
         if sliding_window is not None:
             valid = valid & (pos >= length - sliding_window)
-        acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s, valid,
-                                                                   v, precision)
-        return carry
+        return valid
 
-    lax.fori_loop(0, num_iters, body, 0)
-    l = l_ref[...]
-    o_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+    out = attend_paged_blocks(q_ref[...], lambda i: page_tables_ref[b * max_pages + i], k_hbm_ref, v_hbm_ref,
+                              k_buf, v_buf, sems, m_ref, l_ref, acc_ref, kv_head=h, start_blk=start_blk,
+                              num_iters=num_iters, mask=mask, sm_scale=sm_scale, soft_cap=soft_cap,
+                              precision=precision)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _decode_call(q4, k_pages, v_pages, lengths, page_tables_flat, *, max_pages, sm_scale, soft_cap,

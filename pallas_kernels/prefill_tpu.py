@@ -21,18 +21,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._paged_common import (
-    MASK_VALUE,
-    block_scores,
     check_prefill_args,
     dot_precision,
     is_pow2,
     next_pow2,
-    online_softmax_step,
     pad_page_table,
     pick_pages_per_block,
     round_up,
 )
-from pallas_kernels._tpu_call import paged_flash_call
+from pallas_kernels._tpu_call import attend_paged_blocks, paged_flash_call
 
 MIN_BLOCK_Q = 16  # a bf16 sublane tile, so [G, block_q, D] -> [G * block_q, D] is layout-free
 
@@ -68,53 +65,22 @@ def _prefill_kernel(meta_ref,  # [2] int32 (SMEM, scalar prefetch): q_start, kv_
         start_blk = lax.div(jnp.maximum(first_q - sliding_window + 1, 0), block_k)
     num_iters = jnp.where(first_q < kv_len, jnp.maximum(end_blk - start_blk, 0), 0)
 
-    def copies(blk, slot):
-        out = []
-        for j in range(pages_per_block):
-            page = page_table_ref[blk * pages_per_block + j]
-            out.append(pltpu.make_async_copy(k_hbm_ref.at[h, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm_ref.at[h, page], v_buf.at[slot, j], sems.at[1, slot]))
-        return out
-
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(num_iters > 0)
-    def _():
-        for c in copies(start_blk, 0):
-            c.start()
-
-    q = q_ref[...].reshape(rows, head_dim)  # row r is head r // block_q, token r % block_q
-    # block_q is a power of 2: the token index of a row is a bit-mask, not a vector remainder.
+    # Row r is head r // block_q, token r % block_q; block_q is a power of 2, so the token index of a row
+    # is a bit-mask, not a vector remainder.
     q_pos = first_q + (lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) & (block_q - 1))
     row_ok = q_pos < kv_len
 
-    def body(i, carry):
-        blk = start_blk + i
-        slot = lax.rem(i, 2)
-
-        @pl.when(i + 1 < num_iters)
-        def _():  # prefetch the next block into the other buffer half
-            for c in copies(blk + 1, 1 - slot):
-                c.start()
-
-        for c in copies(blk, slot):
-            c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
-        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+    def mask(blk):
         k_pos = blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         valid = row_ok & (k_pos <= q_pos) & (k_pos < kv_len)
         if sliding_window is not None:
             valid = valid & (q_pos - k_pos < sliding_window)
-        acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s, valid,
-                                                                   v, precision)
-        return carry
+        return valid
 
-    lax.fori_loop(0, num_iters, body, 0)
-    l = l_ref[...]
-    out = acc_ref[...] / jnp.where(l > 0, l, 1.0)
+    out = attend_paged_blocks(q_ref[...].reshape(rows, head_dim), lambda i: page_table_ref[i], k_hbm_ref,
+                              v_hbm_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref, kv_head=h,
+                              start_blk=start_blk, num_iters=num_iters, mask=mask, sm_scale=sm_scale,
+                              soft_cap=soft_cap, precision=precision)
     o_ref[...] = out.reshape(group, block_q, head_dim).astype(o_ref.dtype)
 
 
