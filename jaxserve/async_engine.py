@@ -54,12 +54,6 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        self.ready.wait(timeout)
-        if self.error:
-            raise EngineDeadError(self.error)
-        return self.ready.is_set()
-
     def _run(self) -> None:
         try:
             if self.engine is None:

@@ -121,9 +121,6 @@ class Scheduler:
     def num_free_slots(self) -> int:
         return self.slots.count(None)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(self.slots)
-
     def kv_usage(self) -> float:
         return 1 - self.allocator.num_free / self.allocator.num_usable
 
