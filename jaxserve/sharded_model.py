@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights import ModuleReader, SafetensorsReader, _flatten, abstract_model
+from jaxserve.weights import ModuleReader, SafetensorsReader, _flatten, abstract_model, loading_progress
 from sharding.loading import array_from_reader, stack_stages
 from sharding.mesh import MeshPlan
 from sharding.rules import ParamLayout, is_layer_param, param_layout, runtime_spec
@@ -81,7 +81,7 @@ def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) 
 def fill_from_reader(entries: list[ParamEntry], source) -> dict[Path_, jax.Array]:
     arrays = {}
     try:
-        for e in entries:
+        for e in loading_progress(entries):
             read = source.reader(e.path, e.layout.shape)
             arrays[e.path] = array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, read)
     finally:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import model_class
@@ -121,6 +122,11 @@ class ModuleReader:
         self.params.clear()
 
 
+def loading_progress(items: list):
+    """The weight-loading progress bar (on stderr), shared by the sharded and the single-device loaders."""
+    return tqdm(items, desc="Loading weights", unit="tensor")
+
+
 def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
     """The whole model on the default device (unsharded): for notebooks and single-device tools."""
     model_dir = Path(model_dir)
@@ -129,7 +135,7 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
     source = SafetensorsReader(model_dir)
     start = time.perf_counter()
     try:
-        for path, spec in _flatten(wanted):
+        for path, spec in loading_progress(list(_flatten(wanted))):
             read = source.reader(path, spec.shape)
             _set(wanted, path, jnp.asarray(read(tuple(slice(None) for _ in spec.shape)), dtype=spec.dtype))
     finally:

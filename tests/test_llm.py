@@ -48,6 +48,7 @@ def test_cli_generate_matches_readme(stories_dir, story_text, stories_llm):
     assert result.stdout.rstrip("\n") == story_text[len("Once upon a time"):]
     assert "attention kernels: reference" in result.stderr  # the log says which kernels and precision
     assert "float32" in result.stderr
+    assert "Loading weights" in result.stderr and "Compiling" in result.stderr  # progress is shown
 
 
 def test_many_prompts_batch_continuously_and_keep_order(stories_llm):
