@@ -1,16 +1,23 @@
-"""Check and time the Pallas Triton attention kernels on a GPU, beside the pure-jnp reference.
+"""Check and time the Pallas Triton ragged paged-attention kernel on a GPU, beside the pure-jnp reference.
 
-Run from the repository root on the GPU machine (installs nothing; ~1-3 minutes on an H200):
+Run from the repository root on the GPU machine (installs nothing; a few minutes on an H200):
 
     python3 benchmarks/gpu_kernels.py            # writes $OUT/gpu_kernels.json when OUT is set
+    python3 benchmarks/gpu_kernels.py --interpret --batch 2 --context 64 --chunk 32 --mixed-decodes 2 \\
+        --mixed-chunk 16 --page-sizes 16 --block-tokens 16 --prefill-blocks 8x16   # CPU dry run
 
-1. Correctness: every GPU kernel against its reference, float32 and bfloat16, on shuffled pages with ragged
-   lengths (0, 1, page boundaries), plain and with soft_cap + sliding_window.
-2. Decode: batch 64 x context 2048, 32 query / 8 KV heads, head_dim 128, bf16, page sizes 16/32/64 and a few
-   compute-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over time) and its ratio to a
-   device-to-device copy of a buffer the size of K+V measured in the same run (copy GB/s = read + write).
-3. Prefill: one 2048-token chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
+1. Correctness: the kernel against `ragged_paged_attention_reference`, float32 and bfloat16, on shuffled pages
+   with ragged mixes (decodes, first prefill chunks, chunks over a cached prefix, padding sequences and
+   padding rows, lengths 1 and page boundaries), plain and with soft_cap + sliding_window.
+2. Decode: batch 64 x context 2048 (one row per sequence), 32 query / 8 KV heads, head_dim 128, bf16, page
+   sizes 16/32/64 and a few key-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over
+   time) and its ratio to a device-to-device copy of a buffer the size of K+V measured in the same run
+   (copy GB/s = read + write).
+3. Prefill: one 2048-token first chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
+4. Mixed: 60 decodes plus one 512-token chunk over a 512-token cached prefix in one ragged call, against the
+   same decodes and the same chunk as two separate calls (the unified kernel should cost about their sum).
 Timings: warm-up, then the median over repeats of back-to-back calls (block_until_ready at the end of each).
+Every section records its errors and goes on, so one broken configuration never hides the others' numbers.
 """
 
 from __future__ import annotations
@@ -31,28 +38,27 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels import decode_gpu, prefill_gpu  # noqa: E402
-from pallas_kernels.reference import (paged_decode_attention_reference,  # noqa: E402
-                                      paged_prefill_attention_reference)
-from pallas_kernels.testing import TOLERANCES, random_paged_case  # noqa: E402
+from pallas_kernels import ragged_gpu  # noqa: E402
+from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
+from pallas_kernels.testing import TOLERANCES, random_ragged_case  # noqa: E402
 
 INTERPRET = False  # --interpret: a CPU dry run of this script's logic (use tiny sizes)
+TIMING = dict(warmup=3, calls=20, repeats=5)  # --interpret: one call each, only to exercise the code
+H, KVH, D = 32, 8, 128  # the timed shapes: a Llama-3-8B-like layer
+DTYPE = jnp.bfloat16
 
 
-def paged_decode_attention_gpu(*args, **kwargs):
-    return decode_gpu.paged_decode_attention_gpu(*args, interpret=INTERPRET, **kwargs)
+def kernel(*args, **kwargs):
+    return ragged_gpu.ragged_paged_attention_gpu(*args, interpret=INTERPRET, **kwargs)
 
 
-def paged_prefill_attention_gpu(*args, **kwargs):
-    return prefill_gpu.paged_prefill_attention_gpu(*args, interpret=INTERPRET, **kwargs)
-
-
-def bench(fn, *args, warmup: int = 3, calls: int = 20, repeats: int = 5) -> float:
+def bench(fn, *args, calls: int | None = None) -> float:
     """Median seconds per call over `repeats` runs of `calls` back-to-back calls."""
-    for _ in range(warmup):
+    calls = min(calls or TIMING["calls"], TIMING["calls"])
+    for _ in range(TIMING["warmup"]):
         jax.block_until_ready(fn(*args))
     times = []
-    for _ in range(repeats):
+    for _ in range(TIMING["repeats"]):
         t0 = time.perf_counter()
         out = None
         for _ in range(calls):
@@ -62,183 +68,225 @@ def bench(fn, *args, warmup: int = 3, calls: int = 20, repeats: int = 5) -> floa
     return float(np.median(times))
 
 
-def max_err(got, want) -> float:
-    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+def guarded(rows: list, bench_name: str, config: str, measure) -> None:
+    """Run `measure() -> dict` into a row; an exception becomes an error row (and a traceback on stderr)."""
+    try:
+        rows.append(dict(bench=bench_name, config=config, **measure()))
+    except Exception as e:  # keep going: one broken configuration must not hide the others' numbers
+        rows.append(dict(bench=bench_name, config=config, error=f"{type(e).__name__}: {e}"[:2000]))
+        traceback.print_exc()
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------------------
 
+def check_setups(small: bool) -> list[dict]:
+    """Ragged batches as (q_len, kv_len) per sequence; `small` (interpret mode) shrinks every length."""
+    n = (lambda x: max(1, x // 16) if x > 1 else x) if small else (lambda x: x)
+    mix = lambda seqs: [(n(q), n(k)) for q, k in seqs]
+    return [
+        dict(name="mixed G4 D128 S16", kvh=8, group=4, d=128, s=16, padding=5, opts={},
+             seqs=mix([(1, 1), (1, 16), (0, 0), (1, 1000), (256, 550), (37, 37), (1, 511), (0, 300)])),
+        dict(name="decode G1 D64 S32 cap+win", kvh=4, group=1, d=64, s=32, padding=2,
+             opts=dict(soft_cap=20.0, sliding_window=100),
+             seqs=mix([(1, 1), (1, 32), (1, 33), (1, 300), (0, 0), (1, 129)])),
+        dict(name="mixed G8 D128 S64 cap+win", kvh=2, group=8, d=128, s=64, padding=0,
+             opts=dict(soft_cap=30.0, sliding_window=64),
+             seqs=mix([(200, 200), (1, 64), (64, 320), (1, 65)])),
+    ]
+
+
 def run_checks(results: list) -> None:
     rng = np.random.default_rng(0)
-    decode_setups = [
-        dict(name="G4 D128 S16", kvh=8, group=4, d=128, s=16, lengths=[0, 1, 16, 17, 255, 256, 511, 1000],
-             max_pages=64, opts={}),
-        dict(name="G1 D64 S32 cap+win", kvh=4, group=1, d=64, s=32, lengths=[1, 32, 33, 300, 0, 129],
-             max_pages=16, opts=dict(soft_cap=20.0, sliding_window=100)),
-    ]
-    for setup in decode_setups:
-        case = random_paged_case(rng, setup["lengths"], num_kv_heads=setup["kvh"], page_size=setup["s"],
-                                 head_dim=setup["d"], max_pages=setup["max_pages"])
-        q32 = rng.standard_normal((len(setup["lengths"]), setup["kvh"] * setup["group"], setup["d"]))
+    for setup in check_setups(INTERPRET):
+        q_lens, kv_lens = zip(*setup["seqs"])
+        max_pages = max(1, -(-max(kv_lens) // setup["s"]))
+        case = random_ragged_case(rng, list(q_lens), list(kv_lens), num_kv_heads=setup["kvh"], group=setup["group"],
+                                  page_size=setup["s"], head_dim=setup["d"], max_pages=max_pages,
+                                  padding_tokens=setup["padding"])
         for dtype in ("float32", "bfloat16"):
-            name = f"decode {dtype} {setup['name']}"
+            name = f"ragged {dtype} {setup['name']}"
             try:
-                args = (jnp.asarray(q32, dtype), jnp.asarray(case.k_pages, dtype), jnp.asarray(case.v_pages, dtype),
-                        jnp.asarray(setup["lengths"], jnp.int32), jnp.asarray(case.page_tables))
+                args = (jnp.asarray(case.q, dtype), jnp.asarray(case.paged.k_pages, dtype),
+                        jnp.asarray(case.paged.v_pages, dtype), jnp.asarray(case.kv_lens),
+                        jnp.asarray(case.paged.page_tables), jnp.asarray(case.cu_q_lens))
                 scale = setup["d"] ** -0.5
-                got = paged_decode_attention_gpu(*args, sm_scale=scale, **setup["opts"])
+                got = kernel(*args, sm_scale=scale, **setup["opts"])
                 with jax.default_matmul_precision("highest"):
-                    want = paged_decode_attention_reference(*args, sm_scale=scale, **setup["opts"])
-                record_check(results, name, got, want, dtype)
-            except Exception as e:  # keep going: one broken kernel must not hide the others' numbers
-                results.append(dict(check=name, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
-                traceback.print_exc()
-
-    prefill_setups = [
-        dict(name="G4 D128 S16 q300+256", kvh=8, group=4, d=128, s=16, q_start=300, chunk=256, kv_len=550,
-             max_pages=40, opts={}),
-        dict(name="G1 D64 S32 cap+win q0+200", kvh=4, group=1, d=64, s=32, q_start=0, chunk=200, kv_len=200,
-             max_pages=8, opts=dict(soft_cap=20.0, sliding_window=64)),
-    ]
-    for setup in prefill_setups:
-        case = random_paged_case(rng, [setup["kv_len"]], num_kv_heads=setup["kvh"], page_size=setup["s"],
-                                 head_dim=setup["d"], max_pages=setup["max_pages"])
-        q32 = rng.standard_normal((setup["chunk"], setup["kvh"] * setup["group"], setup["d"]))
-        for dtype in ("float32", "bfloat16"):
-            name = f"prefill {dtype} {setup['name']}"
-            try:
-                args = (jnp.asarray(q32, dtype), jnp.asarray(case.k_pages, dtype), jnp.asarray(case.v_pages, dtype),
-                        jnp.int32(setup["q_start"]), jnp.int32(setup["kv_len"]), jnp.asarray(case.page_tables[0]))
-                scale = setup["d"] ** -0.5
-                got = paged_prefill_attention_gpu(*args, sm_scale=scale, **setup["opts"])
-                with jax.default_matmul_precision("highest"):
-                    want = paged_prefill_attention_reference(*args, sm_scale=scale, **setup["opts"])
-                record_check(results, name, got, want, dtype)
-            except Exception as e:
+                    want = ragged_paged_attention_reference(*args, sm_scale=scale, **setup["opts"])
+                padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
+                record_check(results, name, got, want, dtype, padding_zero)
+            except Exception as e:  # keep going: one broken case must not hide the others' results
                 results.append(dict(check=name, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
                 traceback.print_exc()
 
 
-def record_check(results, name, got, want, dtype) -> None:
+def record_check(results, name, got, want, dtype, padding_zero: bool) -> None:
     atol, rtol = TOLERANCES[dtype]
     g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    ok = bool(np.all(np.abs(g - w) <= atol + rtol * np.abs(w))) and bool(np.isfinite(g).all())
-    results.append(dict(check=name, ok=ok, max_abs_err=max_err(got, want), atol=atol, rtol=rtol))
-    print(f"  {'ok  ' if ok else 'FAIL'} {name}: max |err| {results[-1]['max_abs_err']:.2e}", flush=True)
+    ok = bool(np.all(np.abs(g - w) <= atol + rtol * np.abs(w))) and bool(np.isfinite(g).all()) and padding_zero
+    err = float(np.max(np.abs(g - w))) if g.size else 0.0
+    results.append(dict(check=name, ok=ok, max_abs_err=err, atol=atol, rtol=rtol, padding_zero=padding_zero))
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: max |err| {err:.2e}"
+          + ("" if padding_zero else ", padding rows NOT zero"), flush=True)
+
+
+# ---- shared setup of the timed sections -------------------------------------------------------------------
+
+def ragged_batch(seqs: list[tuple[int, int]], page_size: int, seed: int):
+    """Device arrays of a ragged step over a random paged cache: sequence s has kv_len cached tokens, the
+    last q_len of them new; pages are a random permutation of the pool (page 0 stays the null page)."""
+    q_lens, kv_lens = map(list, zip(*seqs))
+    max_pages = max(1, max(-(-k // page_size) for k in kv_lens))
+    num_pages = 1 + len(seqs) * max_pages
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shape = (KVH, num_pages, page_size, D)
+    k_pages, v_pages = jax.random.normal(keys[0], shape, DTYPE), jax.random.normal(keys[1], shape, DTYPE)
+    tables = jax.random.permutation(keys[2], jnp.arange(1, num_pages, dtype=jnp.int32)).reshape(len(seqs), -1)
+    q = jax.random.normal(keys[3], (sum(q_lens), H, D), DTYPE)
+    cu_q_lens = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), tables, cu_q_lens
+
+
+def timed_kernel(args, **opts):
+    fn = jax.jit(lambda *a: kernel(*a, sm_scale=D ** -0.5, **opts))
+    return bench(fn, *args)
 
 
 # ---- 2. decode bandwidth ----------------------------------------------------------------------------------
 
-def paged_cache(key, num_kv_heads, num_pages, page_size, head_dim, dtype):
-    k1, k2 = jax.random.split(key)
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
-    return jax.random.normal(k1, shape, dtype), jax.random.normal(k2, shape, dtype)
-
-
-def run_decode(args, rows: list) -> float:
-    b, ctx, h, kvh, d = args.batch, args.context, 32, 8, 128
-    dtype = jnp.bfloat16
-    itemsize = jnp.dtype(dtype).itemsize
-    kv_bytes = 2 * b * kvh * ctx * d * itemsize
-    qo_bytes = 2 * b * h * d * itemsize
+def run_decode(args, rows: list) -> None:
+    b, ctx = args.batch, args.context
+    itemsize = jnp.dtype(DTYPE).itemsize
+    kv_bytes = 2 * b * KVH * ctx * D * itemsize
+    qo_bytes = 2 * b * H * D * itemsize
 
     # The yardstick: a device-to-device copy of a buffer the size of K+V (reads and writes it once each).
-    buf = jnp.ones((kv_bytes // 2,), jnp.bfloat16)
-    t_copy = bench(jax.jit(jnp.copy), buf)
-    copy_gbs = 2 * kv_bytes / t_copy / 1e9
-    del buf
-    rows.append(dict(bench="copy (K+V bytes)", config=f"{kv_bytes / 2**20:.0f} MiB", ms=t_copy * 1e3,
-                     gbs=copy_gbs, ratio=1.0))
-    print(f"  copy: {copy_gbs:.0f} GB/s", flush=True)
+    yardstick = {}
 
-    key = jax.random.PRNGKey(0)
-    q = jax.random.normal(key, (b, h, d), dtype)
-    lengths = jnp.full((b,), ctx, jnp.int32)
-    scale = d ** -0.5
+    def copy():
+        buf = jnp.ones((kv_bytes // itemsize,), DTYPE)
+        t = bench(jax.jit(jnp.copy), buf)
+        yardstick["gbs"] = 2 * kv_bytes / t / 1e9
+        print(f"  copy: {yardstick['gbs']:.0f} GB/s", flush=True)
+        return dict(ms=t * 1e3, gbs=yardstick["gbs"], ratio=1.0)
+
+    guarded(rows, "copy (K+V bytes)", f"{kv_bytes / 2**20:.0f} MiB", copy)
+    copy_gbs = yardstick.get("gbs", float("nan"))
+
     for page_size in args.page_sizes:
-        max_pages = -(-ctx // page_size)
-        num_pages = 1 + b * max_pages
-        k_pages, v_pages = paged_cache(jax.random.PRNGKey(page_size), kvh, num_pages, page_size, d, dtype)
-        perm = jax.random.permutation(jax.random.PRNGKey(1), jnp.arange(1, num_pages, dtype=jnp.int32))
-        tables = perm.reshape(b, max_pages)
+        batch = ragged_batch([(1, ctx)] * b, page_size, seed=page_size)
         for block_tokens in args.block_tokens:
             ppb = max(1, block_tokens // page_size)
             if ppb * page_size < 16:
                 continue
-            name = f"pages={page_size} block={ppb * page_size}"
-            try:
-                fn = jax.jit(lambda *a, ppb=ppb: paged_decode_attention_gpu(*a, sm_scale=scale,
-                                                                            pages_per_compute_block=ppb))
-                t = bench(fn, q, k_pages, v_pages, lengths, tables)
-                block = ppb * page_size
-                read = 2 * b * kvh * (-(-ctx // block) * block) * d * itemsize + qo_bytes
+            block = ppb * page_size
+
+            def measure(ppb=ppb, block=block):
+                t = timed_kernel(batch, pages_per_compute_block=ppb)
+                read = 2 * b * KVH * (-(-ctx // block) * block) * D * itemsize + qo_bytes
                 gbs = read / t / 1e9
-                rows.append(dict(bench="decode kernel", config=name, ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs))
-                print(f"  decode {name}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)", flush=True)
-            except Exception as e:
-                rows.append(dict(bench="decode kernel", config=name, error=f"{type(e).__name__}: {e}"[:2000]))
-                traceback.print_exc()
-        try:
-            ref = jax.jit(lambda *a: paged_decode_attention_reference(*a, sm_scale=scale))
-            t = bench(ref, q, k_pages, v_pages, lengths, tables, calls=5)
+                print(f"  decode pages={page_size} block={block}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
+                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
+                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+            guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
+
+        def reference(batch=batch):
+            fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=D ** -0.5))
+            t = bench(fn, *batch, calls=5)
             gbs = (kv_bytes + qo_bytes) / t / 1e9
-            rows.append(dict(bench="decode reference", config=f"pages={page_size}", ms=t * 1e3, gbs=gbs,
-                             ratio=gbs / copy_gbs))
             print(f"  decode reference pages={page_size}: {t * 1e3:.3f} ms", flush=True)
-        except Exception as e:
-            rows.append(dict(bench="decode reference", config=f"pages={page_size}", error=str(e)[:2000]))
-        del k_pages, v_pages
-    return copy_gbs
+            return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+        guarded(rows, "decode reference", f"pages={page_size}", reference)
+        del batch
 
 
 # ---- 3. prefill FLOP/s -------------------------------------------------------------------------------------
 
 def run_prefill(args, rows: list) -> None:
-    t_len, h, kvh, d, page_size = args.chunk, 32, 8, 128, 16
-    dtype = jnp.bfloat16
-    max_pages = -(-t_len // page_size)
-    k_pages, v_pages = paged_cache(jax.random.PRNGKey(7), kvh, 1 + max_pages, page_size, d, dtype)
-    table = jax.random.permutation(jax.random.PRNGKey(8), jnp.arange(1, 1 + max_pages, dtype=jnp.int32))
-    q = jax.random.normal(jax.random.PRNGKey(9), (t_len, h, d), dtype)
-    flops = 4 * d * h * t_len * (t_len + 1) / 2
-    scale = d ** -0.5
+    t_len, page_size = args.chunk, 16
+    batch = ragged_batch([(t_len, t_len)], page_size, seed=7)
+    flops = 4 * D * H * t_len * (t_len + 1) / 2
     configs = [("default", {})] + [
         (f"block_q={bq} keys={bk}", dict(block_q=bq, pages_per_compute_block=max(1, bk // page_size)))
         for bq, bk in args.prefill_blocks]
     for name, opts in configs:
-        try:
-            fn = jax.jit(lambda *a, opts=opts: paged_prefill_attention_gpu(*a, sm_scale=scale, **opts))
-            t = bench(fn, q, k_pages, v_pages, jnp.int32(0), jnp.int32(t_len), table, calls=10)
-            rows.append(dict(bench="prefill kernel", config=name, ms=t * 1e3, tflops=flops / t / 1e12))
+        def measure(opts=opts, name=name):
+            t = timed_kernel(batch, **opts)
             print(f"  prefill {name}: {t * 1e3:.3f} ms, {flops / t / 1e12:.1f} TFLOP/s", flush=True)
-        except Exception as e:
-            rows.append(dict(bench="prefill kernel", config=name, error=f"{type(e).__name__}: {e}"[:2000]))
-            traceback.print_exc()
-    try:
-        ref = jax.jit(lambda *a: paged_prefill_attention_reference(*a, sm_scale=scale))
-        t = bench(ref, q, k_pages, v_pages, jnp.int32(0), jnp.int32(t_len), table, calls=5)
-        rows.append(dict(bench="prefill reference", config="", ms=t * 1e3, tflops=flops / t / 1e12))
-    except Exception as e:
-        rows.append(dict(bench="prefill reference", config="", error=str(e)[:2000]))
+            return dict(ms=t * 1e3, tflops=flops / t / 1e12)
+
+        guarded(rows, "prefill kernel", name, measure)
+
+    def reference():
+        fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=D ** -0.5))
+        t = bench(fn, *batch, calls=2)
+        return dict(ms=t * 1e3, tflops=flops / t / 1e12)
+
+    guarded(rows, "prefill reference", "", reference)
 
 
-def main() -> int:
+# ---- 4. mixed batch ----------------------------------------------------------------------------------------
+
+def run_mixed(args, rows: list) -> None:
+    """One ragged call of decodes + a chunk, against the two parts as separate calls (same cache, so the same
+    bytes and FLOPs); ratio = mixed / (decodes + chunk), ~1 when mixing costs nothing."""
+    page_size, ctx, chunk, prefix = 16, args.context, args.mixed_chunk, args.mixed_prefix
+    decodes = [(1, ctx)] * args.mixed_decodes
+    mixed = ragged_batch(decodes + [(chunk, prefix + chunk)], page_size, seed=11)
+    q, k_pages, v_pages, kv_lens, tables, cu_q_lens = mixed
+    n = len(decodes)
+    only_decodes = (q[:n], k_pages, v_pages, kv_lens[:n], tables[:n], cu_q_lens[:n + 1])
+    only_chunk = (q[n:], k_pages, v_pages, kv_lens[n:], tables[n:], cu_q_lens[n:] - n)
+    config = f"{n} decodes x {ctx} + chunk {chunk} over {prefix}"
+    times = {}
+
+    def part(name, batch):
+        def measure():
+            times[name] = timed_kernel(batch)
+            print(f"  {name}: {times[name] * 1e3:.3f} ms", flush=True)
+            extra = {}
+            if name == "mixed" and {"decodes only", "chunk only"} <= times.keys():
+                extra["ratio"] = times["mixed"] / (times["decodes only"] + times["chunk only"])
+                print(f"  mixed / (decodes + chunk) = {extra['ratio']:.2f}", flush=True)
+            return dict(ms=times[name] * 1e3, **extra)
+        return measure
+
+    guarded(rows, "mixed: decodes only", config, part("decodes only", only_decodes))
+    guarded(rows, "mixed: chunk only", config, part("chunk only", only_chunk))
+    guarded(rows, "mixed: one call", config, part("mixed", mixed))
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--mixed-decodes", type=int, default=60)
+    parser.add_argument("--mixed-chunk", type=int, default=512)
+    parser.add_argument("--mixed-prefix", type=int, default=512, help="cached tokens before the mixed chunk")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[64, 128, 256],
                         help="decode keys per compute block (pages_per_compute_block = this / page size)")
     parser.add_argument("--prefill-blocks", type=lambda s: tuple(map(int, s.split("x"))), nargs="*",
-                        default=[(16, 64), (32, 32), (32, 128)], help="block_q x keys, e.g. 32x64")
+                        default=[(8, 64), (16, 64), (32, 64), (32, 128)],
+                        help="block_q (tokens; rows = block_q x 4 query heads per KV head) x keys, e.g. 16x64")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in interpret mode (tiny sizes)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     global INTERPRET
     INTERPRET = args.interpret
+    if INTERPRET:
+        TIMING.update(warmup=1, calls=1, repeats=1)
 
-    command = shlex.join(["python3", "benchmarks/gpu_kernels.py"] + sys.argv[1:])
+    command = shlex.join(["python3", "benchmarks/gpu_kernels.py"] + (sys.argv[1:] if argv is None else argv))
     print("reproduce: cd", shlex.quote(str(ROOT)), "&&", command)
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}, backend {jax.default_backend()}", flush=True)
     t_start = time.perf_counter()
@@ -246,29 +294,33 @@ def main() -> int:
     if not args.skip_checks:
         print("correctness (kernel vs reference):", flush=True)
         run_checks(checks)
-    print("decode:", flush=True)
-    run_decode(args, rows)
-    print("prefill:", flush=True)
-    run_prefill(args, rows)
+    # The timed sections, in order; each appends rows of {bench, config, ms, gbs?, ratio?, tflops?} or
+    # {bench, config, error}. A new section (e.g. the end-to-end model step) is one more entry here.
+    sections = [("decode", run_decode), ("prefill", run_prefill), ("mixed", run_mixed)]
+    for title, section in sections:
+        print(f"{title}:", flush=True)
+        section(args, rows)
 
-    details = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, argv=sys.argv, checks=checks,
+    details = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, argv=command, checks=checks,
                    timings=rows, seconds=time.perf_counter() - t_start)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "gpu_kernels.json").write_text(json.dumps(details, indent=1))
 
     failed = [c["check"] for c in checks if not c["ok"]]
+    errors = [f"{r['bench']} {r['config']}" for r in rows if "error" in r]
     print(f"\nchecks: {len(checks) - len(failed)}/{len(checks)} ok" + (f"; FAILED: {failed}" if failed else ""))
-    print(f"{'benchmark':<20} {'config':<26} {'ms':>9} {'GB/s':>7} {'xcopy':>6} {'TFLOP/s':>8}")
+    print(f"{'benchmark':<22} {'config':<36} {'ms':>9} {'GB/s':>7} {'ratio':>6} {'TFLOP/s':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['bench']:<20} {r['config']:<26} ERROR {r['error'].splitlines()[0][:60]}")
+            print(f"{r['bench']:<22} {r['config']:<36} ERROR {r['error'].splitlines()[0][:60]}")
             continue
         gbs = f"{r['gbs']:.0f}" if "gbs" in r else ""
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else ""
         tfl = f"{r['tflops']:.1f}" if "tflops" in r else ""
-        print(f"{r['bench']:<20} {r['config']:<26} {r['ms']:>9.3f} {gbs:>7} {ratio:>6} {tfl:>8}")
-    return 1 if failed else 0
+        print(f"{r['bench']:<22} {r['config']:<36} {r['ms']:>9.3f} {gbs:>7} {ratio:>6} {tfl:>8}")
+    print("ratio: decode GB/s over the copy's; mixed: one call over the sum of its two parts")
+    return 1 if failed or errors else 0
 
 
 if __name__ == "__main__":

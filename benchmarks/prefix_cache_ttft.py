@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=24, help="length of each request's own part")
     p.add_argument("--rounds", type=int, default=10, help="cold/warm pairs measured (after one untimed pair)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-buckets", default="32,512", help="comma-separated chunk lengths")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -60,7 +60,7 @@ def build_engine(a: argparse.Namespace) -> Engine:
                          max_position_embeddings=max_model_len, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2)
     args = EngineArgs(max_num_seqs=2, max_model_len=max_model_len, page_size=a.page_size,
-                      prefill_buckets=tuple(int(b) for b in a.prefill_buckets.split(",")))
+                      max_num_batched_tokens=a.max_num_batched_tokens)
     model = random_model(config, jnp.float32, a.seed)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     print(f"model: random Llama, {n_params / 1e6:.1f}M parameters (hidden {a.hidden}, {a.layers} layers, "

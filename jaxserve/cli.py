@@ -34,8 +34,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV pages of prompt prefixes seen before (the default)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token")
-    g.add_argument("--prefill-buckets", default=None,
-                   help="comma-separated prefill chunk lengths (default: 16,32,...,512)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step: a token per running sequence plus prefill chunks "
+                        "(default: 512 on CPU, 2048 on GPU/TPU)")
+    g.add_argument("--token-buckets", default=None,
+                   help="comma-separated token counts a step is padded to, one compiled program each "
+                        "(default: 1,2,4,... up to --max-num-batched-tokens)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
     add_parallel_args(parser)
 
@@ -55,8 +59,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
-    if kwargs.get("prefill_buckets"):
-        kwargs["prefill_buckets"] = tuple(int(b) for b in kwargs["prefill_buckets"].split(","))
+    if kwargs.get("token_buckets"):
+        kwargs["token_buckets"] = tuple(int(b) for b in kwargs["token_buckets"].split(","))
     return EngineArgs(**kwargs)
 
 

@@ -2,8 +2,8 @@
 
 1. `ModelConfig` is read from a Hugging Face `config.json` and normalised so the model code sees one shape
    of config for every supported `model_type` (Llama, Mistral, Qwen2, Qwen3).
-2. `CacheConfig` sizes the paged KV cache; `SchedulerConfig` fixes slots and prefill buckets, so every
-   array shape is known at start.
+2. `CacheConfig` sizes the paged KV cache; `SchedulerConfig` fixes the slots, the token budget of a step
+   and the token-count buckets its arrays are padded to, so every array shape is known at start.
 """
 
 from __future__ import annotations
@@ -127,22 +127,41 @@ class CacheConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 8  # decode slots
+    max_num_seqs: int = 8  # sequences running at once (decode slots)
     max_model_len: int = 2048  # prompt + completion, per sequence
-    prefill_buckets: tuple[int, ...] = (16, 64, 256)  # chunk lengths; a longer prompt is prefilled in chunks
+    max_num_batched_tokens: int = 512  # token budget of one step: decodes + prefill chunks
+    # Padded token counts of a step, one compiled program each; default: powers of two up to the budget.
+    token_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
-            raise ValueError(f"prefill_buckets must be strictly increasing, got {self.prefill_buckets}")
-
-    @property
-    def max_prefill_chunk(self) -> int:
-        return self.prefill_buckets[-1]
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token in each step")
+        buckets = self.token_buckets or default_token_buckets(self.max_num_batched_tokens)
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise ValueError(f"token_buckets must be strictly increasing positive sizes, got {buckets}")
+        if buckets[-1] != self.max_num_batched_tokens:
+            raise ValueError(f"the largest token bucket ({buckets[-1]}) must equal max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
+        object.__setattr__(self, "token_buckets", tuple(buckets))
 
     def bucket_for(self, num_tokens: int) -> int:
-        """Smallest bucket that holds `num_tokens` (callers chunk to at most the largest bucket)."""
-        return next(b for b in self.prefill_buckets if b >= num_tokens)
+        """Smallest bucket that holds `num_tokens` (a step never exceeds the token budget)."""
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
+    def seqs_for(self, bucket: int) -> int:
+        """Sequence rows of a step padded to `bucket` tokens: every sequence has at least one token."""
+        return min(bucket, self.max_num_seqs)
+
+
+def default_token_buckets(budget: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below the budget, then the budget itself."""
+    buckets, b = [], 1
+    while b < budget:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets + [budget])

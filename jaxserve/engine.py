@@ -3,11 +3,14 @@
 1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
    before anything is allocated) and queues it. Additions and aborts from other threads land in an
    inbox that the next `step` drains, so only the engine thread ever mutates scheduler state.
-2. `step` asks the scheduler for a plan, runs at most one prefill chunk and one decode step on device,
-   then advances every request in one place: append the token, detokenize incrementally, check stop
-   conditions (EOS ids, stop_token_ids, stop strings, max_tokens, context length), free what finished.
-3. It returns a `RequestOutput` per request that progressed, carrying the newly final text (for
-   streaming) and the cumulative result (for the offline API).
+2. `step` asks the scheduler for the next ragged step and dispatches it, then — while the device runs
+   it — reads the samples of the step before and advances every request in one place: append the
+   token, detokenize incrementally, check stop conditions (EOS ids, stop_token_ids, stop strings,
+   max_tokens, context length), free what finished. The host thus prepares step N+1 while the device
+   runs step N; a token sampled for a request that finished meanwhile is discarded.
+3. It returns a `RequestOutput` per request that progressed, carrying what is new in this step (text
+   that became final, token ids) and, once the request is finished, the whole result. Nothing on the
+   way copies a request's whole output, so host work per step follows what changed.
 4. Multi-host: only process 0 (the leader) schedules and steps; the other processes build the same
    engine and `follow` the leader's device steps (see `sharding/multihost.py`). `warmup` and each burst
    of leader steps end with `end_call`, which returns the followers from `follow`.
@@ -28,9 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
-from jaxserve.runner import ModelRunner, SlotSampling
+from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampling import InvalidParameter, SamplingParams
-from jaxserve.scheduler import Plan, Request, Scheduler, Status
+from jaxserve.scheduler import Request, Scheduler, Status
 from jaxserve.tokenizer import IncrementalDetokenizer
 from sharding import multihost
 
@@ -42,7 +45,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the EOS/stop token id or stop string that ended it
 
 
@@ -50,12 +53,17 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # the whole result, once finished; empty before
     finished: bool
     new_text: str = ""  # text that became final in this step (for streaming)
     new_token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_output_tokens: int = 0  # tokens generated so far
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else None
 
 
 class _Tracked:
@@ -65,7 +73,7 @@ class _Tracked:
         self.request = request
         self.detokenizer = detokenizer
         self.prompt = prompt
-        self.text = ""  # emitted text, stop strings excluded
+        self.pieces: list[str] = []  # emitted text, stop strings excluded; joined once, at the end
         self.held = ""  # text withheld because it might be the start of a stop string
         self.stop_reason: int | str | None = None
 
@@ -109,6 +117,7 @@ class Engine:
         self.is_leader = multihost.is_leader()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: StepOutput | None = None  # the dispatched step whose samples are not read yet
         self.compilations_at_warmup: int | None = None
         self.stats = EngineStats()
         self.step_count = 0
@@ -200,7 +209,7 @@ class Engine:
         return self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
-        return bool(self._tracked) or not self._inbox.empty()
+        return bool(self._tracked) or not self._inbox.empty() or self._in_flight is not None
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -226,40 +235,28 @@ class Engine:
         self.step_count += 1
         outputs = self._drain_inbox()
         plan = self.scheduler.schedule()
-        if plan.empty:
-            return outputs
-        new_tokens: dict[Request, int] = {}
-        if plan.prefill is not None:
-            new_tokens.update(self._run_prefill(plan))
-        if any(plan.decode):
-            new_tokens.update(self._run_decode(plan))
-        for request, token in new_tokens.items():
-            outputs.append(self._advance(self._tracked[request.request_id], token))
+        launched = None
+        if not plan.empty:
+            launched = self.runner.launch(plan)
+            for chunk in plan.chunks:
+                if chunk.is_prefill:
+                    self.stats.prompt_tokens += chunk.num_tokens
+                    self.scheduler.register_full_pages(chunk.request)
+        # While the device runs the step just launched, advance requests by the one before it.
+        if self._in_flight is not None:
+            outputs.extend(self._process(self._in_flight))
+        self._in_flight = launched
         return outputs
 
-    def _sampling_row(self, request: Request) -> SlotSampling:
-        p = request.params
-        return SlotSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                            seed=request.seed, step=len(request.output_ids))
-
-    def _run_prefill(self, plan: Plan) -> dict[Request, int]:
-        work = plan.prefill
-        token, _ = self.runner.prefill(work.token_ids, work.start, work.request.pages,
-                                       self._sampling_row(work.request))
-        self.stats.prompt_tokens += len(work.token_ids)
-        appended = self.scheduler.update_prefill(work, token)
-        return {work.request: token} if appended else {}
-
-    def _run_decode(self, plan: Plan) -> dict[Request, int]:
-        slots = [(r.all_ids[-1], r.num_computed, r.pages, self._sampling_row(r)) if r is not None else None
-                 for r in plan.decode]
-        tokens, _ = self.runner.decode(slots)
-        result = {}
-        for request, token in zip(plan.decode, tokens):
-            if request is not None:
-                self.scheduler.update_decode(request, int(token))
-                result[request] = int(token)
-        return result
+    def _process(self, done: StepOutput) -> list[RequestOutput]:
+        tokens = done.tokens()
+        outputs = []
+        for row, chunk in enumerate(done.plan.chunks):
+            if chunk.samples:
+                token = int(tokens[row])
+                if self.scheduler.accept_token(chunk, token):
+                    outputs.append(self._advance(self._tracked[chunk.request.request_id], token))
+        return outputs
 
     def _advance(self, tracked: _Tracked, token: int) -> RequestOutput:
         request = tracked.request
@@ -272,7 +269,7 @@ class Engine:
             finish_reason, tracked.stop_reason = "stop", token
         # EOS / stop tokens end the text without appearing in it.
         piece = tracked.detokenizer.add(token) if finish_reason is None else ""
-        if finish_reason is None and len(request.all_ids) >= request.max_len:
+        if finish_reason is None and len(request.token_ids) >= request.max_len:
             finish_reason = "length"
         if finish_reason is not None:
             piece += tracked.detokenizer.flush()
@@ -287,7 +284,7 @@ class Engine:
         """Append `piece`, cutting at the first stop string; hold back a possible stop-string prefix."""
         stops = tracked.request.params.stop
         if not stops:
-            tracked.text += piece
+            tracked.pieces.append(piece)
             return piece
         pending = tracked.held + piece
         hits = [(pending.find(s), s) for s in stops if s in pending]
@@ -302,7 +299,7 @@ class Engine:
             hold = next((n for n in range(min(keep, len(pending)), 0, -1)
                          if any(s.startswith(pending[-n:]) for s in stops)), 0)
             emitted, tracked.held = pending[:len(pending) - hold], pending[len(pending) - hold:]
-        tracked.text += emitted
+        tracked.pieces.append(emitted)
         return emitted
 
     def _finish(self, tracked: _Tracked, reason: str) -> None:
@@ -312,12 +309,15 @@ class Engine:
 
     def _output(self, tracked: _Tracked, new_text: str, new_token_ids: list[int]) -> RequestOutput:
         r = tracked.request
-        completion = CompletionOutput(index=0, text=tracked.text, token_ids=list(r.output_ids),
-                                      finish_reason=r.finish_reason, stop_reason=tracked.stop_reason)
-        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_ids, outputs=[completion],
-                             finished=r.status is Status.FINISHED, new_text=new_text,
-                             new_token_ids=new_token_ids, prompt=tracked.prompt,
-                             num_cached_tokens=r.num_cached_tokens or 0)
+        finished = r.status is Status.FINISHED
+        outputs = []
+        if finished:  # the whole result, assembled once
+            outputs.append(CompletionOutput(index=0, text="".join(tracked.pieces), token_ids=r.output_ids,
+                                            finish_reason=r.finish_reason, stop_reason=tracked.stop_reason))
+        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_ids, outputs=outputs,
+                             finished=finished, new_text=new_text, new_token_ids=new_token_ids,
+                             prompt=tracked.prompt, num_cached_tokens=r.num_cached_tokens or 0,
+                             num_output_tokens=r.num_output_tokens)
 
 
 @dataclasses.dataclass

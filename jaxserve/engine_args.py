@@ -3,7 +3,7 @@
 1. `EngineArgs` holds what a user sets; `build_model` creates the device mesh (tensor x pipeline
    parallel, joining `jax.distributed` first when asked) and loads the weights straight onto it (Hugging
    Face safetensors or an Orbax checkpoint written by `jaxserve convert`); `assemble` resolves the rest:
-   context length, prefill buckets, attention backend, and — once the weights are on the device — the
+   context length, token budget and buckets of a step, attention backend, and — once the weights are on the device — the
    KV page pool (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
    weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
@@ -50,7 +50,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV cache (instead of num_pages)
     gpu_memory_utilization: float | None = None  # fraction of device memory free after the weights
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
-    prefill_buckets: tuple[int, ...] | None = None  # default: powers of two from 16 up to 512
+    max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
+    token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     attention_backend: str = "auto"
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
     tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
@@ -89,12 +90,10 @@ class BuiltModel:
     cache_config: CacheConfig
 
 
-def default_buckets(max_model_len: int) -> tuple[int, ...]:
-    buckets, b = [], 16
-    while b < min(max_model_len, 512):
-        buckets.append(b)
-        b *= 2
-    return tuple(buckets + [min(b, 512)])
+def default_token_budget(max_num_seqs: int, platform: str) -> int:
+    """vLLM's chunked-prefill budget on accelerators; on a CPU a smaller one keeps a long prefill from
+    stalling the running streams for long (a step's time grows with its tokens there)."""
+    return max(max_num_seqs, 512 if platform == "cpu" else 2048)
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
@@ -139,8 +138,10 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     if max_model_len > config.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
+    budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
+                                             default_token_budget(args.max_num_seqs, jax.default_backend()))
     scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                       prefill_buckets=args.prefill_buckets or default_buckets(max_model_len))
+                                       max_num_batched_tokens=budget, token_buckets=args.token_buckets)
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.

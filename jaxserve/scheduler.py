@@ -1,22 +1,25 @@
 """Continuous-batching scheduler: host-only Python, no device arrays.
 
-1. Requests wait in arrival order. One is admitted when a decode slot is free and the pages for its whole
-   prefill (prompt, plus any tokens it already generated before a preemption) can be allocated. With
-   prefix caching, the longest cached run of full pages of those tokens is shared instead of allocated,
-   and prefill starts after it (a chunk at q_start > 0). The hit stops short of the last token: its
-   logits are needed to sample, so at least that token is always computed, in a page of its own request.
-2. Each iteration `schedule()` returns a `Plan`: at most one prefill chunk (bounded by the largest
-   bucket, oldest request first) plus one decode step over every slot whose prefill is done. A long
-   prompt therefore never stalls the streams already running.
-3. Before a decode step each sequence gets the page its next token needs. When none is free the newest
-   running request is preempted: its pages and slot are freed and it waits, at the front of the queue,
-   to be recomputed later. Memory pressure that can be waited out never fails a request.
-4. After the step, `update_prefill` / `update_decode` advance request state — the only place it
-   changes — and register every page the step filled in the prefix cache, prompt and generated text
-   alike (the next turn of a chat reuses both). Only full, written pages are registered, and a request
-   only ever writes at or after its first unshared page, so a shared page is never written.
+1. Requests wait in arrival order. One is admitted when a slot is free and the pages for its whole
+   prefill (prompt, plus any tokens it generated before a preemption) can be allocated. With prefix
+   caching, the longest cached run of full pages of those tokens is shared instead of allocated, and
+   prefill starts after it. The hit stops short of the last token: its logits are needed to sample, so
+   at least that token is always computed, in a page of its own request.
+2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`): first
+   one token for every decoding sequence (each gets the page that token goes to; when none is free the
+   newest running request is preempted and will be recomputed), then prefill chunks of as many
+   prefilling sequences as fit, oldest first. The step is a list of `ScheduledChunk`s: one ragged batch.
+3. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
+   is dispatched while the previous one still runs, so a sequence's newest token may still be on the
+   device. Such a token is *pending*: the chunk names the previous step's sample row it comes from, and
+   the device feeds it in directly. `num_computed` counts tokens whose K/V the dispatched steps write.
+4. When a step's samples reach the host, `accept_token` appends them — the only place a request's tokens
+   grow. A sample for a request that finished, was aborted or was preempted after the step was planned
+   is discarded (its `epoch` moved on). Full pages whose tokens are all known and whose K/V is written
+   by a dispatched step are offered to the prefix cache, prompt and generated text alike.
 5. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
-   cached until an allocation needs them (least recently used first).
+   cached until an allocation needs them (least recently used first). A step still in flight may write
+   into freed pages, but every later step runs after it on the device, so their next owner's writes win.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import deque
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
 from jaxserve.prefix_cache import PageKey, PrefixCache, extend_page_keys
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import SamplingParams, seed_words
 
 
 class Status(enum.Enum):
@@ -48,12 +51,15 @@ class Request:
     params: SamplingParams
     seed: int
     max_len: int  # prompt + completion may not exceed this (max_tokens and the context, combined)
-    output_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then every known output token
     status: Status = Status.WAITING
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_computed: int = 0  # tokens whose K/V the dispatched steps write
+    num_pending: int = 0  # tokens sampled by dispatched steps that the host has not read yet
+    pending_row: int = -1  # sample row of the last dispatched step that holds the pending token
     prefill_target: int = 0  # tokens to prefill since the last admission
+    epoch: int = 0  # bumped when the request stops running: samples planned before are discarded
     finish_reason: str | None = None
     num_preemptions: int = 0
     page_keys: list[PageKey] = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages
@@ -61,9 +67,28 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
 
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        self.seed_words = seed_words(self.seed)
+
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Known output tokens (pending ones excluded)."""
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens plus those still on the device."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def is_prefilling(self) -> bool:
@@ -71,7 +96,8 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.status is Status.RUNNING and self.num_computed >= self.prefill_target
+        """Running with exactly one token (known or pending) not yet fed to the model."""
+        return self.status is Status.RUNNING and self.num_computed == self.num_tokens - 1
 
     @property
     def finished(self) -> bool:
@@ -79,24 +105,41 @@ class Request:
 
 
 @dataclasses.dataclass
-class PrefillWork:
+class ScheduledChunk:
+    """One sequence's share of a step: `num_tokens` new tokens at positions start, start + 1, ..."""
     request: Request
-    start: int  # position of the chunk's first token
-    token_ids: list[int]
+    start: int
+    num_tokens: int
+    token_ids: list[int] | None  # the new tokens, or None: one token from the previous step's `prev_row`
+    prev_row: int  # -1 unless token_ids is None
+    sample_step: int  # index among the request's outputs of the token sampled after this chunk; -1 = none
+    epoch: int
+    is_prefill: bool
 
     @property
-    def is_last_chunk(self) -> bool:
-        return self.start + len(self.token_ids) == self.request.prefill_target
+    def samples(self) -> bool:
+        return self.sample_step >= 0
+
+    @classmethod
+    def for_sequence(cls, slot: int, pages: list[int], start: int, token_ids: list[int],
+                     params: SamplingParams | None = None, seed: int = 0) -> "ScheduledChunk":
+        """A chunk for a sequence no scheduler manages (research, tests): `token_ids` at positions
+        start.. of the sequence whose K/V lives in `pages`, using page-table row `slot`; the token after
+        them is sampled (greedy unless `params` say otherwise)."""
+        request = Request(f"slot{slot}", list(token_ids), params or SamplingParams(temperature=0, max_tokens=None),
+                          seed=seed, max_len=start + len(token_ids) + 1)
+        request.status, request.slot, request.pages = Status.RUNNING, slot, list(pages)
+        return cls(request, start, len(token_ids), list(token_ids), -1, 0, request.epoch, True)
 
 
 @dataclasses.dataclass
-class Plan:
-    prefill: PrefillWork | None
-    decode: list[Request | None]  # one entry per slot; None = idle or still prefilling
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    num_tokens: int
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not any(self.decode)
+        return not self.chunks
 
 
 class Scheduler:
@@ -124,27 +167,68 @@ class Scheduler:
     def kv_usage(self) -> float:
         return 1 - self.allocator.num_free / self.allocator.num_usable
 
-    # ---- mutations -------------------------------------------------------------------------------
+    # ---- planning ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> Plan:
-        self._admit()
-        self._reserve_decode_pages()
-        prefilling = sorted((r for r in self.slots if r is not None and r.is_prefilling), key=lambda r: r.arrival)
-        prefill = None
-        if prefilling:
-            r = prefilling[0]
-            end = min(r.prefill_target, r.num_computed + self.config.max_prefill_chunk)
-            prefill = PrefillWork(r, r.num_computed, r.all_ids[r.num_computed:end])
-        decode = [r if r is not None and r.is_decoding else None for r in self.slots]
-        return Plan(prefill=prefill, decode=decode)
+    def schedule(self) -> StepPlan:
+        """Plan the next step; marks what it schedules as computed (and sampled) right away."""
+        preempted = self._reserve_decode_pages()
+        chunks: list[ScheduledChunk] = []
+        budget = self.config.max_num_batched_tokens
+        running = sorted(self.running, key=lambda r: r.arrival)
+        for request in running:
+            if self._wants_decode(request):
+                chunks.append(self._decode_chunk(request, len(chunks)))
+        budget -= len(chunks)
+        if not preempted:  # pages just freed by a preemption go to the running requests first
+            self._admit()
+            running = sorted(self.running, key=lambda r: r.arrival)
+        for request in running:
+            if budget == 0:
+                break
+            if request.is_prefilling:
+                n = min(request.prefill_target - request.num_computed, budget)
+                chunks.append(self._prefill_chunk(request, n, len(chunks)))
+                budget -= n
+        return StepPlan(chunks, self.config.max_num_batched_tokens - budget)
+
+    @staticmethod
+    def _wants_decode(request: Request) -> bool:
+        # A sequence at its length limit only waits for its pending token, which finishes it.
+        return request.is_decoding and request.num_tokens < request.max_len
+
+    def _decode_chunk(self, request: Request, row: int) -> ScheduledChunk:
+        pending = request.num_pending > 0
+        chunk = ScheduledChunk(request, request.num_computed, 1,
+                               None if pending else request.token_ids[-1:],
+                               request.pending_row if pending else -1,
+                               request.num_tokens - request.num_prompt_tokens, request.epoch, False)
+        request.num_computed += 1
+        self._mark_sampled(request, row)
+        return chunk
+
+    def _prefill_chunk(self, request: Request, n: int, row: int) -> ScheduledChunk:
+        start = request.num_computed
+        last = start + n == request.prefill_target
+        chunk = ScheduledChunk(request, start, n, request.token_ids[start:start + n], -1,
+                               request.num_tokens - request.num_prompt_tokens if last else -1, request.epoch,
+                               True)
+        request.num_computed += n
+        if last:
+            self._mark_sampled(request, row)
+        return chunk
+
+    @staticmethod
+    def _mark_sampled(request: Request, row: int) -> None:
+        request.num_pending += 1
+        request.pending_row = row
 
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
             request = self.waiting[0]
-            target = len(request.all_ids)
+            target = len(request.token_ids)
             hits = self._cached_prefix(request, target)
             fresh = pages_needed(target, self.page_size) - len(hits)
             # Idle hit pages count as free until acquired: they must not also pay for the fresh pages.
@@ -174,7 +258,7 @@ class Scheduler:
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
-        extend_page_keys(request.page_keys, request.all_ids, self.page_size, usable, self._extra_keys(request))
+        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, self._extra_keys(request))
         return self.prefix_cache.lookup(request.page_keys[:usable])
 
     @staticmethod
@@ -182,33 +266,40 @@ class Scheduler:
         salt = request.params.cache_salt
         return ("salt", salt) if salt is not None else ()
 
-    def _register_full_pages(self, request: Request) -> None:
-        """Offer every page the last step completed to the prefix cache (after the step: K/V written)."""
-        if self.prefix_cache is None:
+    def register_full_pages(self, request: Request) -> None:
+        """Offer the prefix cache every page that is full of known tokens whose K/V a dispatched step
+        writes. Later readers run after that step on the device, so they see the K/V."""
+        if self.prefix_cache is None or request.status is not Status.RUNNING:
             return
-        full = request.num_computed // self.page_size
+        full = min(request.num_computed, len(request.token_ids)) // self.page_size
         if full <= request.num_registered:
             return
-        keys = extend_page_keys(request.page_keys, request.all_ids, self.page_size, full,
+        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full,
                                 self._extra_keys(request))
         for i in range(request.num_registered, full):
             self.prefix_cache.register(request.pages[i], keys[i])
         request.num_registered = full
 
-    def _reserve_decode_pages(self) -> None:
-        """Give every decoding sequence the page its next token goes to, preempting if need be."""
-        for request in sorted((r for r in self.slots if r is not None and r.is_decoding), key=lambda r: r.arrival):
+    def _reserve_decode_pages(self) -> bool:
+        """Give every decoding sequence the page its next token goes to, preempting if need be. Returns
+        whether anything was preempted."""
+        preempted = False
+        for request in sorted((r for r in self.slots if r is not None and self._wants_decode(r)),
+                              key=lambda r: r.arrival):
             while request.status is Status.RUNNING and request.num_computed // self.page_size >= len(request.pages):
                 page = self.allocator.allocate(1)
                 if page is not None:
                     request.pages += page
                 else:
                     self._preempt(max(self.running, key=lambda r: r.arrival))
+                    preempted = True
+        return preempted
 
     def _preempt(self, victim: Request) -> None:
         self._release(victim)
         victim.status = Status.WAITING
         victim.num_computed = 0
+        victim.num_pending = 0  # its in-flight sample is discarded and drawn again after recomputation
         victim.num_preemptions += 1
         self.num_preemptions += 1
         # Back to the front, keeping arrival order among earlier preempted requests.
@@ -216,6 +307,8 @@ class Scheduler:
         self.waiting.insert(position, victim)
 
     def _release(self, request: Request) -> None:
+        request.epoch += 1
+        request.pending_row = -1
         if request.slot is not None:
             self.slots[request.slot] = None
             request.slot = None
@@ -223,21 +316,18 @@ class Scheduler:
             self.allocator.free(request.pages)
             request.pages = []
 
-    def update_prefill(self, work: PrefillWork, token: int) -> bool:
-        """Record a prefill chunk; on the last chunk the sampled token is the next output. Returns
-        whether a token was appended."""
-        request = work.request
-        request.num_computed += len(work.token_ids)
-        self._register_full_pages(request)
-        if work.is_last_chunk:
-            request.output_ids.append(token)
-            return True
-        return False
+    # ---- results -------------------------------------------------------------------------------------
 
-    def update_decode(self, request: Request, token: int) -> None:
-        request.num_computed += 1
-        request.output_ids.append(token)
-        self._register_full_pages(request)
+    def accept_token(self, chunk: ScheduledChunk, token: int) -> bool:
+        """A step's sample for `chunk` reached the host. Returns False (and drops it) when the request has
+        stopped running since the step was planned."""
+        request = chunk.request
+        if request.epoch != chunk.epoch:
+            return False
+        request.num_pending -= 1
+        request.token_ids.append(token)
+        self.register_full_pages(request)
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Evict every idle cached page (pages in use keep theirs); returns how many were evicted."""
@@ -247,6 +337,8 @@ class Scheduler:
         """Finish (or abort) a request wherever it is; frees its slot and pages."""
         if request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
+        self.register_full_pages(request)
         self._release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+        request.num_pending = 0

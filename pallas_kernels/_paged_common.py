@@ -1,12 +1,12 @@
-"""Argument checks and padding shared by the Pallas paged-attention kernels.
+"""Argument checks, block sizes and block math shared by the Pallas ragged paged-attention kernels.
 
-Every kernel wrapper does the same three things before its `pallas_call`:
-1. check the inputs against the reference contract (`validate_paged_inputs` plus the rank/batch checks the
-   reference leaves to `jnp`), raising `ValueError` that names the bad input;
-2. pick a static block of pages (`pages_per_block`) and pad the page table with the null page 0 to a
+Both kernel wrappers (`ragged_gpu`, `ragged_tpu`) do the same things before their `pallas_call`:
+1. check the inputs against the ragged contract (`check_ragged_args` from the reference), raising
+   `ValueError` that names the bad input, then check their own static block sizes (`check_block_q`);
+2. pick a static key block of `pages_per_block` pages and pad the page tables with the null page 0 to a
    multiple of it, so a kernel never reads past the end of a table row;
-3. pad small dimensions (query-group rows, chunk length) to what the backend's matmul wants.
-Inside the kernels, `block_scores` and `online_softmax_step` are the flash-attention block math all four
+3. pad small dimensions (query-group rows, token count) to what the backend's matmul wants.
+Inside the kernels, `block_scores` and `online_softmax_step` are the flash-attention block math both
 share; each kernel only decides which keys a row may see (`valid`) and where the running state lives.
 """
 
@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import MASK_VALUE, validate_paged_inputs
+from pallas_kernels.reference import MASK_VALUE, check_ragged_args
 
-__all__ = ["MASK_VALUE", "check_decode_args", "check_prefill_args", "check_options", "pick_pages_per_block",
-           "pad_page_table", "round_up", "next_pow2", "is_pow2", "dot_precision",
-           "tpu_interpret_params", "block_scores", "online_softmax_step"]
+__all__ = ["MASK_VALUE", "check_ragged_args", "check_block_q", "pick_pages_per_block", "pad_page_table",
+           "round_up", "next_pow2", "is_pow2", "dot_precision", "tpu_interpret_params", "block_scores",
+           "online_softmax_step"]
 
 
 def round_up(x: int, m: int) -> int:
@@ -35,36 +35,10 @@ def is_pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def check_options(soft_cap, sliding_window) -> None:
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
-        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
-
-
-def check_decode_args(q, k_pages, v_pages, lengths, page_tables, soft_cap, sliding_window) -> None:
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape}")
-    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_tables)
-    if page_tables.ndim != 2 or page_tables.shape[0] != q.shape[0]:
-        raise ValueError(f"page_tables must be [batch={q.shape[0]}, max_pages], got {page_tables.shape}")
-    if lengths.shape != (q.shape[0],):
-        raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
-    if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"lengths must be an integer array, got {lengths.dtype}")
-    check_options(soft_cap, sliding_window)
-
-
-def check_prefill_args(q, k_pages, v_pages, q_start, kv_len, page_table, soft_cap, sliding_window) -> None:
-    if q.ndim != 3:
-        raise ValueError(f"q must be [chunk, num_heads, head_dim], got {q.shape}")
-    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_table)
-    if page_table.ndim != 1:
-        raise ValueError(f"page_table must be [max_pages], got {page_table.shape}")
-    for name, x in (("q_start", q_start), ("kv_len", kv_len)):
-        if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"{name} must be an integer scalar, got {jnp.shape(x)} {jnp.result_type(x)}")
-    check_options(soft_cap, sliding_window)
+def check_block_q(block_q, minimum: int = 1) -> None:
+    """block_q (query tokens per tile) must be a static power of 2 >= minimum."""
+    if not (isinstance(block_q, int) and is_pow2(block_q) and block_q >= minimum):
+        raise ValueError(f"block_q must be a power of 2 >= {minimum}, got {block_q!r}")
 
 
 def pick_pages_per_block(page_size: int, max_pages: int, requested: int | None, target_tokens: int,
@@ -100,7 +74,7 @@ def dot_precision(dtype):
 
 def tpu_interpret_params(interpret):
     """`interpret` of a Mosaic kernel wrapper -> what `pallas_call` takes: False, or TPU interpret mode."""
-    from jax.experimental.pallas import tpu as pltpu  # only the TPU kernels need it
+    from jax.experimental.pallas import tpu as pltpu  # only the TPU kernel needs it
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
     return pltpu.InterpretParams() if interpret else False
@@ -119,7 +93,8 @@ def online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision):
     """Fold one key block into the running softmax: acc [rows, D], max m and sum l [rows, 1] (float32).
 
     Masked keys get weight exactly 0 rather than exp(MASK - m): a row can meet a block it sees none of
-    (window start, causal edge, idle slot), and that block must leave its state unchanged.
+    (window start, causal edge, a row of another sequence sharing the tile), and that block must leave
+    its state unchanged.
     """
     s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))

@@ -1,16 +1,18 @@
-"""Pure-`jnp` paged attention: the reference every kernel is tested against.
+"""Pure-`jnp` ragged paged attention: the definition every implementation is tested against.
 
 The KV cache of one layer is two arrays of pages, `[num_kv_heads, num_pages, page_size, head_dim]`.
 A sequence owns a row of a page table; token `t` of the sequence lives in page
 `page_table[t // page_size]` at offset `t % page_size`. Page 0 is the null page that padding points at.
 
-1. `paged_decode_attention_reference`: one query token per slot, attending to the slot's first
-   `lengths[b]` cached tokens (the new token's K/V is already written).
-2. `paged_prefill_attention_reference`: a chunk of new tokens of one sequence whose K/V (and that of the
-   earlier context) is already in the cache; causal inside the chunk, full over the prefix.
+One engine step is a *ragged batch*: the new tokens of every scheduled sequence, flat and contiguous per
+sequence. Sequence `s` owns query rows `cu_q_lens[s] .. cu_q_lens[s + 1] - 1`; they are its last
+`q_len = cu_q_lens[s + 1] - cu_q_lens[s]` tokens, whose K/V is already written, so row `j` sits at position
+`kv_lens[s] - q_len + (j - cu_q_lens[s])`. A decoding sequence has one row, a prefill chunk many; padding
+sequences have none, and rows from `cu_q_lens[-1]` on are padding tokens.
 
-Both gather the slot's pages into a dense `[kv_len, head_dim]` view and run an ordinary masked softmax in
-float32. They are the definition of correct, not fast: the gather materialises every page in the table.
+This version is written to be obviously right, not fast: every query row gathers its sequence's whole
+page-table row into a dense `[kv_heads, max_pages * page_size, head_dim]` view and runs an ordinary
+masked softmax in float32. `blocked.py` is the efficient jnp implementation the CPU serves with.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# Finite, so a fully masked row (an idle slot) gives zeros instead of NaN.
+# Finite, so a fully masked row (a padding token) gives zeros instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -35,88 +37,81 @@ def validate_paged_inputs(q_heads: int, head_dim: int, k_pages: jax.Array, v_pag
     if q_heads % num_kv_heads:
         raise ValueError(f"num query heads {q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"page table must be an integer array, got {page_table.dtype}")
+        raise ValueError(f"page tables must be an integer array, got {page_table.dtype}")
 
 
-def _gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """[KVH, P, S, D] gathered by a [max_pages] table -> dense [KVH, max_pages * S, D]."""
-    kvh, _, page_size, head_dim = pages.shape
-    return pages[:, page_table].reshape(kvh, page_table.shape[0] * page_size, head_dim)
+def check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window) -> None:
+    """The ragged contract's shape and option checks (ValueError naming the input)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {q.shape}")
+    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_tables)
+    if page_tables.ndim != 2:
+        raise ValueError(f"page_tables must be [num_seqs, max_pages], got {page_tables.shape}")
+    num_seqs = page_tables.shape[0]
+    if kv_lens.shape != (num_seqs,):
+        raise ValueError(f"kv_lens must be [num_seqs={num_seqs}], got {kv_lens.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [num_seqs + 1={num_seqs + 1}], got {cu_q_lens.shape}")
+    for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {x.dtype}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sm_scale: float,
-            soft_cap: float | None) -> jax.Array:
-    """q [T, H, D], k/v [KVH, L, D], mask [T, L] -> [T, H, D] (float32 math)."""
-    t, h, d = q.shape
-    kvh = k.shape[0]
-    qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32)
-    scores = jnp.einsum("tkgd,kld->kgtl", qg, k.astype(jnp.float32)) * sm_scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    scores = jnp.where(mask[None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[None, None], probs, 0.0)  # idle rows: all weights 0 -> output 0
-    out = jnp.einsum("kgtl,kld->tkgd", probs, v.astype(jnp.float32))
-    return out.reshape(t, h, d)
+def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array,
+                                                                                      jax.Array]:
+    """Per query row: (its sequence [T], its position [T], whether it is a real token [T])."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    # The sequence of row j is the last s with cu_q_lens[s] <= j (empty sequences are skipped over).
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, kv_lens.shape[0] - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (rows - cu_q_lens[seq])
+    real = rows < cu_q_lens[-1]
+    return seq.astype(jnp.int32), pos.astype(jnp.int32), real
 
 
-def _kv_mask(q_pos: jax.Array, kv_len: jax.Array, num_kv: int, sliding_window: int | None) -> jax.Array:
-    """[T] query positions -> [T, num_kv] bool: causal, inside the valid length and the window."""
-    kv_pos = jnp.arange(num_kv)[None, :]
-    mask = (kv_pos <= q_pos[:, None]) & (kv_pos < kv_len)
-    if sliding_window is not None:
-        mask &= q_pos[:, None] - kv_pos < sliding_window
-    return mask
-
-
-def paged_decode_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                                     lengths: jax.Array, page_tables: jax.Array, *, sm_scale: float,
+def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                                     page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                      soft_cap: float | None = None,
                                      sliding_window: int | None = None) -> jax.Array:
-    """Attention of one new token per slot over its paged context.
+    """Attention of a ragged batch of new tokens over each one's own sequence in the paged cache.
 
     Args:
-      q: [batch, num_heads, head_dim] queries; the token of slot b sits at position lengths[b] - 1.
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache.
-      lengths: [batch] int32 number of valid cached tokens per slot, the new one included; 0 = idle slot.
-      page_tables: [batch, max_pages] int32 page ids per slot.
+      q: [tokens, num_heads, head_dim] queries, flat; sequence s owns rows cu_q_lens[s]..cu_q_lens[s+1]-1.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache, with this step's
+        K/V already written.
+      kv_lens: [num_seqs] int32 tokens in the cache per sequence after this step (its new ones included).
+      page_tables: [num_seqs, max_pages] int32 page ids per sequence (unused entries: the null page 0).
+      cu_q_lens: [num_seqs + 1] int32 non-decreasing query row offsets, cu_q_lens[0] = 0; a sequence with
+        no rows (padding) attends nothing, and rows from cu_q_lens[-1] on are padding tokens.
       sm_scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: optional logit soft-capping value (cap * tanh(s / cap)).
-      sliding_window: optional window; a token attends to keys with q_pos - k_pos < window.
+      sliding_window: optional window; a token at q_pos attends to keys with q_pos - k_pos < window.
     Returns:
-      [batch, num_heads, head_dim] in q's dtype; zeros for idle slots.
+      [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
-    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_tables)
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    tokens, num_heads, head_dim = q.shape
+    kvh, _, page_size, _ = k_pages.shape
+    seq, pos, real = token_layout(cu_q_lens, kv_lens, tokens)
+    kv_pos = jnp.arange(page_tables.shape[1] * page_size)
 
-    def one_slot(q_b, length, table):
-        k = _gather_pages(k_pages, table)
-        v = _gather_pages(v_pages, table)
-        mask = _kv_mask((length - 1)[None], length, k.shape[1], sliding_window)
-        return _attend(q_b[None], k, v, mask, sm_scale, soft_cap)[0]
+    def one_row(q_t, seq_t, pos_t, real_t):
+        table = page_tables[seq_t]
+        k = k_pages[:, table].reshape(kvh, -1, head_dim).astype(jnp.float32)
+        v = v_pages[:, table].reshape(kvh, -1, head_dim).astype(jnp.float32)
+        visible = real_t & (kv_pos <= pos_t) & (kv_pos < kv_lens[seq_t])
+        if sliding_window is not None:
+            visible &= pos_t - kv_pos < sliding_window
+        qg = q_t.reshape(kvh, num_heads // kvh, head_dim).astype(jnp.float32)
+        scores = jnp.einsum("kgd,kld->kgl", qg, k) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)  # padding rows: all 0 -> output 0
+        return jnp.einsum("kgl,kld->kgd", probs, v).reshape(num_heads, head_dim)
 
-    return jax.vmap(one_slot)(q, lengths, page_tables).astype(q.dtype)
-
-
-def paged_prefill_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                                      q_start: jax.Array, kv_len: jax.Array, page_table: jax.Array, *,
-                                      sm_scale: float, soft_cap: float | None = None,
-                                      sliding_window: int | None = None) -> jax.Array:
-    """Attention of a chunk of one sequence's new tokens over its cache (prefix + the chunk itself).
-
-    Args:
-      q: [chunk, num_heads, head_dim]; row i is the token at position q_start + i.
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache, with the
-        chunk's own K/V already written.
-      q_start: int32 scalar, position of the chunk's first token (= tokens already cached before it).
-      kv_len: int32 scalar, q_start + number of real tokens in the chunk; rows past it are padding.
-      page_table: [max_pages] int32 the sequence's page ids.
-      sm_scale, soft_cap, sliding_window: as for decode.
-    Returns:
-      [chunk, num_heads, head_dim] in q's dtype; padding rows are zeros.
-    """
-    validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_table)
-    k = _gather_pages(k_pages, page_table)
-    v = _gather_pages(v_pages, page_table)
-    q_pos = q_start + jnp.arange(q.shape[0])
-    mask = _kv_mask(q_pos, kv_len, k.shape[1], sliding_window) & (q_pos < kv_len)[:, None]
-    return _attend(q, k, v, mask, sm_scale, soft_cap).astype(q.dtype)
+    return jax.vmap(one_row)(q, seq, pos, real).astype(q.dtype)

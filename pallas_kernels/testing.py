@@ -78,3 +78,43 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
             w = np.exp(s - s.max())
             out[r, head] = (w / w.sum()) @ vv
     return out
+
+
+@dataclasses.dataclass
+class RaggedCase:
+    """One ragged step: sequence s has kv_lens[s] cached tokens, the last q_lens[s] of them new (queries)."""
+    q: np.ndarray  # [tokens, num_heads, head_dim] float32; rows past sum(q_lens) are padding
+    kv_lens: np.ndarray  # [num_seqs] int32
+    cu_q_lens: np.ndarray  # [num_seqs + 1] int32
+    paged: PagedCase
+
+    def positions(self, s: int) -> np.ndarray:
+        q_len = self.cu_q_lens[s + 1] - self.cu_q_lens[s]
+        return np.arange(self.kv_lens[s] - q_len, self.kv_lens[s])
+
+
+def random_ragged_case(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int], *, num_kv_heads: int,
+                       group: int, page_size: int, head_dim: int, max_pages: int,
+                       padding_tokens: int = 0) -> RaggedCase:
+    """A ragged batch over shuffled pages: a decode is (1, n), a first prefill chunk (n, n), a later chunk
+    or a prefix-cache hit (n, m > n), a padding sequence (0, 0). `padding_tokens` rows follow the last one."""
+    if any(q > k for q, k in zip(q_lens, kv_lens)):
+        raise ValueError("a sequence cannot have more new tokens than cached ones")
+    paged = random_paged_case(rng, kv_lens, num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim,
+                              max_pages=max_pages)
+    tokens = sum(q_lens) + padding_tokens
+    q = rng.standard_normal((tokens, num_kv_heads * group, head_dim)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return RaggedCase(q, np.asarray(kv_lens, np.int32), cu, paged)
+
+
+def ragged_oracle(case: RaggedCase, q: np.ndarray, k_dense: np.ndarray, v_dense: np.ndarray,
+                  **options) -> np.ndarray:
+    """float64 attention of every sequence's rows over its dense K/V ([n, KVH, L, D]); padding rows 0."""
+    out = np.zeros(q.shape, np.float64)
+    for s in range(len(case.kv_lens)):
+        lo, hi = case.cu_q_lens[s], case.cu_q_lens[s + 1]
+        if hi > lo:
+            out[lo:hi] = dense_attention(q[lo:hi], k_dense[s], v_dense[s], case.positions(s), int(case.kv_lens[s]),
+                                         **options)
+    return out

@@ -121,7 +121,7 @@ class OpenAIServer:
                     timers[i].on_tokens(len(out.new_token_ids))
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
                     if out.finished:
-                        self.metrics.observe_request(timers[i], out.outputs[0].finish_reason)
+                        self.metrics.observe_request(timers[i], out.finish_reason)
                     await merged.put((i, out))
             except Exception as e:  # surfaced to the handler through the queue
                 await merged.put((i, e))
@@ -192,10 +192,9 @@ class OpenAIServer:
             async def events():
                 async for i, out in results:
                     usage.add(i, out)
-                    c = out.outputs[0]
                     if out.new_text or out.finished:
                         yield _sse({**envelope, "choices": [{"index": i, "text": out.new_text, "logprobs": None,
-                                                             "finish_reason": c.finish_reason}]})
+                                                             "finish_reason": out.finish_reason}]})
                 if body.include_usage:
                     yield _sse({**envelope, "choices": [], "usage": usage.as_dict()})
                 yield "data: [DONE]\n\n"
@@ -246,7 +245,7 @@ class OpenAIServer:
                                                           "logprobs": None, "finish_reason": None}]})
                     if out.finished:
                         yield _sse({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                          "finish_reason": out.outputs[0].finish_reason}]})
+                                                          "finish_reason": out.finish_reason}]})
                 if body.include_usage:
                     yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
                 yield "data: [DONE]\n\n"
@@ -271,7 +270,7 @@ class _Usage:
         self.cached = [0] * len(prompt_ids)
 
     def add(self, index: int, out: RequestOutput) -> None:
-        self.completion[index] = len(out.outputs[0].token_ids)
+        self.completion[index] = out.num_output_tokens
         self.cached[index] = out.num_cached_tokens
 
     def as_dict(self) -> dict:

@@ -7,7 +7,7 @@
 2. Process 0 (the leader) runs the scheduler and, where there is one, the HTTP server. Every jitted
    step is one SPMD program over all hosts, so every process must call it with the same inputs in the
    same order. The leader therefore broadcasts each step before running it: a fixed-size header
-   (which step, which bucket) and then the packed host batch arrays, both with
+   (step or end, token bucket, logits flag) and then the two packed host batch buffers, both with
    `multihost_utils.broadcast_one_to_all`. Followers sit in `StepChannel.receive` and run what arrives.
 3. Why broadcast rather than run the same scheduler everywhere: requests arrive over HTTP at the leader
    only, with timing that differs between hosts (arrivals, aborts, client disconnects), so a replicated
@@ -25,7 +25,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-END, PREFILL, DECODE = 0, 1, 2  # header kinds
+END, STEP = 0, 1  # header kinds
 _initialized = False
 
 
@@ -82,7 +82,7 @@ def is_leader() -> bool:
 
 
 class StepChannel:
-    """Leader -> followers, once per jitted step: (kind, size, flag) then the batch pytree."""
+    """Leader -> followers, once per jitted step: (kind, bucket, flag) then the batch pytree."""
 
     def __init__(self):
         self.active = jax.process_count() > 1

@@ -31,4 +31,4 @@ def story_text() -> str:
 def stories_llm(stories_dir):
     """One warmed-up offline engine over stories260K, shared by the tests that only read from it."""
     from jaxserve import LLM
-    return LLM(str(stories_dir), max_num_seqs=4, prefill_buckets=(16, 64))
+    return LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64)

@@ -11,7 +11,7 @@ jax.monitoring.register_event_listener(lambda event, **_: events.update([event.r
 from server.app import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
 from jaxserve import Engine, EngineArgs
-Engine(EngineArgs(max_num_seqs=2, max_model_len=64, prefill_buckets=(16,))).warmup()
+Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)).warmup()
 print('cache', events['cache_hits'], events['cache_misses'])
 """
 

@@ -12,53 +12,71 @@ from jaxserve.kv_cache import pages_needed
 from tests.page_checks import assert_pages_released
 
 
+class FakeOutput:
+    def __init__(self, plan, samples):
+        self.plan, self.samples = plan, samples
+
+    def tokens(self):
+        return self.samples
+
+
 class FakeRunner:
-    def __init__(self, scripts, max_num_seqs, allocator=None):
+    """Stands in for the model runner: answers each sampled chunk from the scripts, and checks the
+    asynchronous contract on every step (pages present, writes only into unshared pages, a token taken
+    from the device names a row of the previous step that sampled for the same request)."""
+
+    def __init__(self, scripts, allocator=None, page_size=4):
         self.scripts = scripts
-        self.max_num_seqs = max_num_seqs
         self.allocator = allocator  # when given, every write is checked to land in an unshared page
-        self.prefill_calls = []  # (seed, start, n)
-        self.decode_calls = []  # number of active slots per call
+        self.page_size = page_size
+        self.steps = []  # per step: [(seed, start, num_tokens, is_prefill)]
+        self.fed = {}  # request id -> {position: token id the model was given there}
+        self._last = None  # (plan, samples) of the previous step
 
     def _check_writable(self, pages, positions):
         """The prefix-cache invariant: a step writes only pages its request holds alone, uncached."""
         if self.allocator is None:
             return
-        for page in {pages[p // 4] for p in positions}:
+        for page in {pages[p // self.page_size] for p in positions}:
             assert self.allocator.refcount(page) == 1, f"write into shared page {page}"
             cache = self.allocator.prefix_cache
             assert cache is None or not cache.holds(page), f"write into cached page {page}"
 
-    def _token(self, sampling):
-        script = self.scripts[sampling.seed]
-        return script[sampling.step] if sampling.step < len(script) else 500
+    def _token(self, seed, step):
+        script = self.scripts[seed]
+        return script[step] if step < len(script) else 500
 
-    def prefill(self, token_ids, start, pages, sampling, all_logits=False):
-        assert len(pages) >= pages_needed(start + len(token_ids), 4)
-        self._check_writable(pages, range(start, start + len(token_ids)))
-        self.prefill_calls.append((sampling.seed, start, len(token_ids)))
-        return self._token(sampling), None
-
-    def decode(self, slots, with_logits=False):
-        assert len(slots) == self.max_num_seqs
-        self.decode_calls.append(sum(s is not None for s in slots))
-        out = np.zeros(len(slots), np.int32)
-        for i, slot in enumerate(slots):
-            if slot is not None:
-                _, position, pages, sampling = slot
-                assert position // 4 < len(pages), "decode position has no page"
-                self._check_writable(pages, [position])
-                out[i] = self._token(sampling)
-        return out, None
+    def launch(self, plan):
+        samples = np.zeros(len(plan.chunks), np.int32)
+        record = []
+        for row, chunk in enumerate(plan.chunks):
+            r = chunk.request
+            end = chunk.start + chunk.num_tokens
+            assert len(r.pages) >= pages_needed(end, self.page_size), "a token has no page"
+            self._check_writable(r.pages, range(chunk.start, end))
+            if chunk.token_ids is None:  # fed from the device: the previous step sampled it for r
+                prev_plan, prev_samples = self._last
+                assert prev_plan.chunks[chunk.prev_row].request is r and prev_plan.chunks[chunk.prev_row].samples
+                inputs = [int(prev_samples[chunk.prev_row])]
+            else:
+                inputs = list(chunk.token_ids)
+            assert len(inputs) == chunk.num_tokens
+            self.fed.setdefault(r.request_id, {}).update(zip(range(chunk.start, end), inputs))
+            if chunk.samples:
+                samples[row] = self._token(r.seed, chunk.sample_step)
+            record.append((r.seed, chunk.start, chunk.num_tokens, chunk.is_prefill))
+        self.steps.append(record)
+        self._last = (plan, samples)
+        return FakeOutput(plan, samples)
 
 
 @pytest.fixture
 def make_engine(stories_dir):
-    def make(scripts, max_num_seqs=4, num_pages=None, max_model_len=64, buckets=(8, 16), **kw):
+    def make(scripts, max_num_seqs=4, num_pages=None, max_model_len=64, budget=16, **kw):
         engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=max_num_seqs, page_size=4,
-                                   num_pages=num_pages, max_model_len=max_model_len, prefill_buckets=buckets,
-                                   **kw))
-        engine.runner = FakeRunner(scripts, max_num_seqs, engine.scheduler.allocator)
+                                   num_pages=num_pages, max_model_len=max_model_len,
+                                   max_num_batched_tokens=budget, **kw))
+        engine.runner = FakeRunner(scripts, engine.scheduler.allocator)
         return engine
     return make
 
@@ -72,6 +90,10 @@ def run_all(engine, requests):
                 final[out.request_id] = out
         if not engine.has_unfinished():
             break
+    for rid in ids:  # every position the model was fed holds that position's prompt or output token
+        out = final[rid]
+        history = out.prompt_token_ids + out.outputs[0].token_ids
+        assert all(history[p] == t for p, t in engine.runner.fed.get(rid, {}).items()), rid
     return [final[i] for i in ids]
 
 
@@ -127,18 +149,19 @@ def test_max_tokens_and_context_length(make_engine):
 
 
 def test_long_prompt_is_chunked_while_decode_continues(make_engine):
-    engine = make_engine({1: STORY * 10, 2: STORY}, max_model_len=64, buckets=(8,))
+    engine = make_engine({1: STORY * 10, 2: STORY}, max_model_len=64, budget=8)
     engine.add_request([1, 403], params(1, max_tokens=30))
     engine.step()  # request 1 prefilled
     engine.add_request([1] + [403] * 40, params(2, max_tokens=3))
-    decode_calls_before = len(engine.runner.decode_calls)
+    first = len(engine.runner.steps)
     while engine.has_unfinished():
         engine.step()
-    chunks = [c for c in engine.runner.prefill_calls if c[0] == 2]
-    assert [c[2] for c in chunks] == [8, 8, 8, 8, 8, 1]  # 41 tokens in chunks of the largest bucket
-    assert [c[1] for c in chunks] == [0, 8, 16, 24, 32, 40]
-    # Every one of those chunk iterations also ran a decode step for request 1.
-    assert len(engine.runner.decode_calls) - decode_calls_before >= len(chunks)
+    steps = [s for s in engine.runner.steps[first:] if any(seed == 2 and pre for seed, _, _, pre in s)]
+    # Each step carries request 1's decode token and as much of request 2's prompt as the budget leaves.
+    assert all((1, s[0][1], 1, False) == s[0] and sum(n for _, _, n, _ in s) <= 8 for s in steps)
+    chunks = [(start, n) for s in steps for seed, start, n, pre in s if seed == 2]
+    assert [n for _, n in chunks] == [7, 7, 7, 7, 7, 6]  # 41 prompt tokens, 7 per step next to the decode
+    assert [start for start, _ in chunks] == [0, 7, 14, 21, 28, 35]
 
 
 def test_preemption_under_page_pressure_completes_everything(make_engine):
@@ -189,15 +212,11 @@ def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
 
 def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
     # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
-    from jaxserve.runner import SlotSampling
+    from jaxserve.scheduler import StepPlan
     engine = stories_llm.engine
     assert engine.compilations_at_warmup > 0
     before = engine.compilations_since_warmup
-    pages = engine.scheduler.allocator.allocate(1)
-    try:
-        engine.runner.prefill([1, 403, 407], 0, pages, SlotSampling(), all_logits=True)  # a new variant
-    finally:
-        engine.scheduler.allocator.free(pages)
+    engine.runner.launch(StepPlan([], 1), with_logits=True).tokens()  # a variant warm-up did not build
     assert engine.compilations_since_warmup > before
 
 
@@ -207,7 +226,7 @@ PREFIX = [1] + list(range(300, 321))  # 22 tokens: 5 full pages of 4, then 2
 
 
 def prefill_starts(engine, seed):
-    return [(start, n) for s, start, n in engine.runner.prefill_calls if s == seed]
+    return [(start, n) for step in engine.runner.steps for s, start, n, pre in step if s == seed and pre]
 
 
 def test_prefix_hit_prefills_only_the_uncached_rest(make_engine):

@@ -42,11 +42,11 @@ def test_cli_generate_matches_readme(stories_dir, story_text, stories_llm):
     max_tokens = len(stories_llm.get_tokenizer().encode(story_text)) - 5
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "--model", str(stories_dir),
-                             "--prompt", "Once upon a time", "--max-tokens", str(max_tokens), "--prefill-buckets", "16",
+                             "--prompt", "Once upon a time", "--max-tokens", str(max_tokens), "--max-num-batched-tokens", "16",
                              "--max-num-seqs", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == story_text[len("Once upon a time"):]
-    assert "attention kernels: reference" in result.stderr  # the log says which kernels and precision
+    assert "attention kernels: blocked (jnp)" in result.stderr  # the log says which kernels and precision
     assert "float32" in result.stderr
     assert "Loading weights" in result.stderr and "Compiling" in result.stderr  # progress is shown
 

@@ -1,9 +1,10 @@
-"""Numerical parity with Hugging Face transformers (float32) on small random configs.
+"""Numerical parity with Hugging Face transformers (float32) on small random configs, through the ragged step.
 
 The golden logits were produced by `tools/make_parity_fixtures.py` (see tests/fixtures/parity/README.md):
-a 48-token prompt plus 16 greedy tokens, and the full-sequence logits. Here the prompt goes through
-`prefill` in chunks and the rest through `decode` over the paged cache; every logit must agree within
-1e-4 and the greedy tokens must be identical.
+a 48-token prompt plus 16 greedy tokens, and the full-sequence logits. Here the prompt goes through the
+step in two chunks and the rest one token per step over the paged cache; every logit must agree within
+1e-4 and the greedy tokens must be identical — alone, and mixed into ragged batches with other sequences
+(a decode before it and a prefill chunk after it in the flat token array).
 """
 
 from pathlib import Path
@@ -14,7 +15,8 @@ import pytest
 
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
-from jaxserve.runner import ModelRunner, SlotSampling
+from jaxserve.runner import ModelRunner
+from jaxserve.scheduler import ScheduledChunk
 from jaxserve.sharded_model import load_sharded
 from pallas_kernels.dispatch import select_attention_backend
 from sharding import ParallelConfig, make_plan
@@ -22,6 +24,7 @@ from sharding import ParallelConfig, make_plan
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "golden.npz").is_file())
 PAGE_SIZE = 8
+MAX_LEN = 128
 
 
 def test_every_supported_model_type_has_a_fixture():
@@ -29,33 +32,64 @@ def test_every_supported_model_type_has_a_fixture():
     assert types == {"llama", "mistral", "qwen2", "qwen3"}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_prefill_then_decode_matches_transformers(case):
-    golden = np.load(FIXTURES / case / "golden.npz")
-    ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
+def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = ParallelConfig()) -> ModelRunner:
     config = ModelConfig.from_pretrained(FIXTURES / case)
-    plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
+    plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
-    slots = 3
-    runner = ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=32),
-                         SchedulerConfig(max_num_seqs=slots, max_model_len=128, prefill_buckets=(16, 32)),
-                         select_attention_backend("reference"), jnp.float32)
-    # A shuffled, non-contiguous page list, so page-table indexing is really exercised.
-    allocator = PageAllocator(32)
-    pages = allocator.allocate(pages_needed(128, PAGE_SIZE) + 4)[::-1][:pages_needed(128, PAGE_SIZE)]
+    return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
+                       SchedulerConfig(max_num_seqs=3, max_model_len=MAX_LEN, max_num_batched_tokens=64),
+                       select_attention_backend(backend), jnp.float32)
 
-    # Prefill in two chunks: 32 tokens then 16, crossing page boundaries with a cached prefix.
-    _, logits_a = runner.prefill(ids[:32], 0, pages, SlotSampling(), all_logits=True)
-    first, logits_b = runner.prefill(ids[32:prompt_len], 32, pages, SlotSampling(), all_logits=True)
+
+def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
+    """Prefill 32 + 16 tokens, then decode, comparing the target sequence's logits with the golden ones."""
+    ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
+    vocab = ref_logits.shape[1]
+    # Shuffled, non-contiguous page lists, so page-table indexing is really exercised.
+    per_seq = pages_needed(MAX_LEN, PAGE_SIZE)
+    free = PageAllocator(64).allocate(3 * per_seq + 4)[::-1]
+    pages = {slot: free[slot * per_seq:(slot + 1) * per_seq] for slot in range(3)}
+    rng = np.random.default_rng(0)
+    other = {slot: [0] for slot in (0, 2)}  # positions already filled for the companion sequences
+
+    def companions():
+        """A one-token decode for slot 0 and a 5-token prefill chunk for slot 2, each at its next position."""
+        out = {}
+        for slot, n in ((0, 1), (2, 5)):
+            start = other[slot][0]
+            if start + n < MAX_LEN:
+                out[slot] = ScheduledChunk.for_sequence(slot, pages[slot], start, rng.integers(0, vocab, n).tolist())
+                other[slot][0] += n
+        return out
+
+    def step(token_ids, start):
+        target = ScheduledChunk.for_sequence(1, pages[1], start, token_ids)
+        extra = companions() if mixed else {}
+        chunks = [c for c in (extra.get(0), target, extra.get(2)) if c is not None]
+        samples, logits, rows = runner.run(chunks)
+        i = chunks.index(target)
+        return int(samples[i]), logits[rows[i]]
+
+    _, logits_a = step(ids[:32], 0)
+    first, logits_b = step(ids[32:prompt_len], 32)
     np.testing.assert_allclose(np.concatenate([logits_a, logits_b]), ref_logits[:prompt_len], atol=1e-4, rtol=0)
     assert first == ids[prompt_len]
-
     generated = [first]
     for position in range(prompt_len, len(ids) - 1):
-        # The sequence sits in the middle slot; the others are idle.
-        tokens, logits = runner.decode([None, (generated[-1], position, pages, SlotSampling()), None],
-                                       with_logits=True)
-        np.testing.assert_allclose(logits[1], ref_logits[position], atol=1e-4, rtol=0)
-        generated.append(int(tokens[1]))
+        token, logits = step([generated[-1]], position)
+        np.testing.assert_allclose(logits[0], ref_logits[position], atol=1e-4, rtol=0)
+        generated.append(token)
     assert generated == ids[prompt_len:]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["alone", "mixed"])
+@pytest.mark.parametrize("case", CASES)
+def test_step_matches_transformers(case, mixed):
+    check_parity(make_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
+
+
+@pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied"])
+def test_dense_reference_backend_matches_transformers(case):
+    """The dense reference (the definition the kernels are tested against) through the whole model."""
+    check_parity(make_runner(case, "reference"), np.load(FIXTURES / case / "golden.npz"), mixed=True)

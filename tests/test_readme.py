@@ -36,7 +36,7 @@ def test_readme_serve_command_and_curl_example(tmp_path):
         log.seek(0)
         startup = log.read()
         assert "built-in demo model" in startup
-        assert re.search(r"float32 weights, attention kernels: reference", startup)
+        assert re.search(r"float32 weights, attention kernels: blocked", startup)
         assert "warm-up compiled" in startup
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -1,16 +1,36 @@
 """The on-device sampler: every setting per row, in one program, reproducible per seed."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
-from jaxserve.runner import SlotSampling, pack_sampling
-from jaxserve.sampling import sample
+from jaxserve.sampling import SamplingArrays, sample, seed_words
 
 VOCAB = 16
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02] + [1e-9] * (VOCAB - 7), np.float32))
 
 sample_jit = jax.jit(sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSampling:
+    """One row of SamplingArrays."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+
+
+def pack_sampling(rows: list[SlotSampling]) -> SamplingArrays:
+    column = lambda name, dtype: np.array([getattr(r, name) for r in rows], dtype)
+    return SamplingArrays(temperature=column("temperature", np.float32), top_k=column("top_k", np.int32),
+                          top_p=column("top_p", np.float32), min_p=column("min_p", np.float32),
+                          seed=np.array([seed_words(r.seed) for r in rows], np.uint32).reshape(len(rows), 2),
+                          step=column("step", np.int32))
 
 
 def draw(rows: list[SlotSampling], logits=LOGITS) -> np.ndarray:

@@ -19,7 +19,7 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, prefill_buckets=(16, 64, 128))
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=128)
     with running_server(args) as (base, async_engine):
         yield base, async_engine
 

@@ -2,26 +2,21 @@
 
 1. stories260K (8 query heads, 4 KV heads, 5 layers): greedy tokens for several prompts, batched, equal
    the one-device run for tp 1/2/4/8 x pp 1/2 combinations. tp 8 replicates each KV head twice; pp 2
-   splits 5 layers 3 + 2 (one padding layer); 4 decode slots and 16-token prefill chunks make 2
-   microbatches per pipeline step. Nothing recompiles after warm-up under any mesh.
+   splits 5 layers 3 + 2 (one padding layer) and cuts each step's tokens into 2 microbatches. Nothing
+   recompiles after warm-up under any mesh.
 2. The golden transformers logits (tests/fixtures/parity) are matched within 1e-4 through chunked
-   prefill and paged decode on sharded meshes, covering biases (row-parallel bias added once), tied
-   and untied heads, q/k norms, sliding windows and tp > KV heads.
+   prefill and paged decode in mixed ragged steps on sharded meshes, covering biases (row-parallel bias
+   added once), tied and untied heads, q/k norms, sliding windows and tp > KV heads.
 """
 
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from jaxserve.kv_cache import PageAllocator, pages_needed
-from jaxserve.runner import ModelRunner, SlotSampling
-from jaxserve.sharded_model import load_sharded
-from pallas_kernels import select_attention_backend
-from sharding import ParallelConfig, make_plan
+from sharding import ParallelConfig
+from tests.test_parity import check_parity, make_runner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "parity"
 PROMPTS = ["Once upon a time", "", "The cat sat on", "Lily and Tom went to the park to"]
@@ -33,7 +28,7 @@ _LLMS: dict = {}
 
 def _llm(stories_dir, tp, pp):
     if (tp, pp) not in _LLMS:
-        _LLMS[(tp, pp)] = LLM(str(stories_dir), max_num_seqs=4, prefill_buckets=(16, 32), max_model_len=128,
+        _LLMS[(tp, pp)] = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
                               tensor_parallel_size=tp, pipeline_parallel_size=pp)
     return _LLMS[(tp, pp)]
 
@@ -86,25 +81,6 @@ PARITY_CASES = [
 
 @pytest.mark.parametrize("case, tp, pp", PARITY_CASES, ids=[f"{c}-tp{t}-pp{p}" for c, t, p in PARITY_CASES])
 def test_sharded_logits_match_transformers(case, tp, pp):
-    golden = np.load(FIXTURES / case / "golden.npz")
-    ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
-    config = ModelConfig.from_pretrained(FIXTURES / case)
-    plan = make_plan(ParallelConfig(tp, pp), num_layers=config.num_layers, num_heads=config.num_heads,
-                     num_kv_heads=config.num_kv_heads)
-    model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
-    page_size, slots = 8, 4
-    runner = ModelRunner(model, config, CacheConfig(page_size=page_size, num_pages=32),
-                         SchedulerConfig(max_num_seqs=slots, max_model_len=128, prefill_buckets=(16, 32)),
-                         select_attention_backend("reference"), jnp.float32)
-    pages = PageAllocator(32).allocate(pages_needed(128, page_size) + 4)[::-1][:pages_needed(128, page_size)]
-    _, logits_a = runner.prefill(ids[:32], 0, pages, SlotSampling(), all_logits=True)
-    first, logits_b = runner.prefill(ids[32:prompt_len], 32, pages, SlotSampling(), all_logits=True)
-    np.testing.assert_allclose(np.concatenate([logits_a, logits_b]), ref_logits[:prompt_len], atol=1e-4, rtol=0)
-    generated = [first]
-    for position in range(prompt_len, len(ids) - 1):
-        # Slot 2 of 4: with pp 2 it sits in the second decode microbatch.
-        tokens, logits = runner.decode([None, None, (generated[-1], position, pages, SlotSampling()), None],
-                                       with_logits=True)
-        np.testing.assert_allclose(logits[2], ref_logits[position], atol=1e-4, rtol=0)
-        generated.append(int(tokens[2]))
-    assert generated == ids[prompt_len:]
+    # Mixed ragged batches: with pp 2 the target's prefill chunk straddles the two pipeline microbatches.
+    runner = make_runner(case, parallel=ParallelConfig(tp, pp))
+    check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)

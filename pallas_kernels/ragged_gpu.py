@@ -1,0 +1,212 @@
+"""Ragged paged attention for GPUs, written for Pallas' Triton backend.
+
+1. The wrapper cuts each sequence's query rows into work items of up to `block_q` consecutive tokens of
+   that sequence (a decode is one item, a 100-token chunk ceil(100 / block_q) items) and lists them with
+   jnp: the item's sequence and its first flat row. The list has a static length, ceil(T / block_q) plus
+   one per sequence, enough for any batch of T tokens; entries past the real items have sequence -1.
+2. q is viewed as `[T_pad, KVH, G_pad, D]` (the GQA group padded to a power of 2, T to one spare tile). The
+   grid is `(item, kv_head)`: a program loads its item's block_q tokens x G_pad heads as one
+   `[block_q * G_pad, D]` matrix, so each K/V tile it reads serves a whole group of several tokens.
+3. The program walks its sequence's page-table row one key block (`pages_per_compute_block` pages) at a
+   time, from the first block the sliding window reaches to the block holding its last row's position
+   (causal), gathering the pages straight from the cache, with an online softmax in float32.
+4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
+   sequence's rows, which another program owns). Padding rows (from cu_q_lens[-1] on) belong to no item;
+   the wrapper zeroes them.
+
+The default tile is 32 rows (block_q = 32 // G_pad tokens, at least one; 16 rows is tl.dot's minimum):
+a decode item fills only G_pad of them, but decode is bound by K/V bytes, not by the dot, while a prefill
+chunk gets a tile big enough that each K/V block is read once per 32 rows rather than once per token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._paged_common import (
+    MASK_VALUE,
+    block_scores,
+    check_block_q,
+    check_ragged_args,
+    dot_precision,
+    is_pow2,
+    next_pow2,
+    online_softmax_step,
+    pad_page_table,
+    pick_pages_per_block,
+)
+
+MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
+DEFAULT_ROWS = 32  # query rows (tokens x group) per program; see the module docstring
+
+
+def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 past the real items
+                   item_row_ref,  # [num_items] int32: the item's first flat query row
+                   kv_lens_ref,  # [num_seqs] int32
+                   cu_q_lens_ref,  # [num_seqs + 1] int32
+                   page_tables_ref,  # [num_seqs * max_pages_padded] int32, flattened rows
+                   q_ref,  # [T_pad, group_pad, head_dim] this KV head's queries, every row
+                   k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
+                   v_ref,  # [num_pages, page_size, head_dim]
+                   o_ref,  # [T_pad, group_pad, head_dim] (only this item's rows are written)
+                   *, sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
+                   pages_per_block: int, max_pages: int, precision):
+    _, group, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_k = pages_per_block * page_size
+    rows = block_q * group
+    item = pl.program_id(0)
+    seq = item_seq_ref[item]
+
+    @pl.when(seq >= 0)
+    def _():
+        first_row = item_row_ref[item]
+        end_row = jnp.minimum(first_row + block_q, cu_q_lens_ref[seq + 1])
+        # Sequence s's last row sits at position kv_len - 1, so row j sits at j + offset.
+        offset = kv_lens_ref[seq] - cu_q_lens_ref[seq + 1]
+        last_pos = end_row - 1 + offset
+        end_blk = jnp.minimum(lax.div(last_pos + block_k, block_k), max_pages // pages_per_block)
+        if sliding_window is None:
+            start_blk = 0
+        else:
+            start_blk = lax.div(jnp.maximum(first_row + offset - sliding_window + 1, 0), block_k)
+
+        # Row r of the tile is token r // group, head r % group (group is a power of 2: a shift).
+        q = q_ref[pl.ds(first_row, block_q)].reshape(rows, head_dim)
+        token = first_row + lax.div(jnp.arange(rows, dtype=jnp.int32), group)
+        q_pos = lax.broadcast_in_dim(token + offset, (rows, block_k), (0,))
+
+        def body(i, carry):
+            blk = start_blk + i
+            page_ids = page_tables_ref[pl.ds(seq * max_pages + blk * pages_per_block, pages_per_block)]
+            k = k_ref[page_ids].reshape(block_k, head_dim)
+            v = v_ref[page_ids].reshape(block_k, head_dim)
+            s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+            k_pos = lax.broadcast_in_dim(blk * block_k + jnp.arange(block_k, dtype=jnp.int32), (rows, block_k),
+                                         (1,))
+            # Causal; k_pos < kv_len follows for the rows that get stored (q_pos < kv_len). Rows past
+            # end_row may see garbage keys, but the masked store drops them.
+            valid = k_pos <= q_pos
+            if sliding_window is not None:
+                valid = valid & (q_pos - k_pos < sliding_window)
+            return online_softmax_step(*carry, s, valid, v, precision)
+
+        init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
+                jnp.zeros((rows, 1), jnp.float32))
+        acc, _, l = lax.fori_loop(0, jnp.maximum(end_blk - start_blk, 0), body, init)
+        out = (acc / jnp.where(l > 0, l, 1.0)).reshape(block_q, group, head_dim).astype(o_ref.dtype)
+        tokens = first_row + jnp.arange(block_q, dtype=jnp.int32)
+        store_mask = lax.broadcast_in_dim(tokens < end_row, (block_q, group, head_dim), (0,))
+        plgpu.store(o_ref.at[pl.ds(first_row, block_q)], out, mask=store_mask)
+
+
+def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, k_pages, v_pages, *, max_pages, sm_scale, soft_cap,
+                 sliding_window, block_q, pages_per_block, num_warps, num_stages, interpret):
+    item_seq, item_row = items
+    t_pad, num_kv_heads, group, head_dim = q4.shape
+    _, num_pages, page_size, _ = k_pages.shape
+    kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
+                               max_pages=max_pages, precision=dot_precision(q4.dtype))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
+    kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
+    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h: (0, h, 0, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(item_seq.shape[0], num_kv_heads),
+        in_specs=[whole(item_seq), whole(item_row), whole(kv_lens), whole(cu_q_lens), whole(tables_flat),
+                  q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_triton",
+    )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, k_pages, v_pages)
+
+
+def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.Array, jax.Array]:
+    """(sequence, first row) of each block_q-token piece of each sequence's rows, [num_items] each;
+    sequence -1 (and row 0) past the real pieces. Sequences without rows get no item."""
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    pieces = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(pieces)
+    i = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    row = cu_q_lens[seq] + (i - (ends[seq] - pieces[seq])) * block_q
+    real = i < ends[-1]
+    return jnp.where(real, seq, -1), jnp.where(real, row, 0).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
+                                             "pages_per_compute_block", "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                               page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
+                               soft_cap: float | None = None, sliding_window: int | None = None,
+                               block_q: int | None = None, pages_per_compute_block: int | None = None,
+                               num_warps: int | None = None, num_stages: int = 2,
+                               interpret: bool = False) -> jax.Array:
+    """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
+
+    Args:
+      q: [tokens, num_heads, head_dim] queries, flat; sequence s owns rows cu_q_lens[s]..cu_q_lens[s+1]-1,
+        its last q_len tokens.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache, with this step's
+        K/V already written.
+      kv_lens: [num_seqs] int tokens in the cache per sequence, this step's included.
+      page_tables: [num_seqs, max_pages] int page ids per sequence (unused entries: the null page 0).
+      cu_q_lens: [num_seqs + 1] int non-decreasing row offsets; empty sequences are padding, and rows from
+        cu_q_lens[-1] on are padding tokens.
+      sm_scale: softmax scale (static).
+      soft_cap: optional static logit soft-cap (cap * tanh(s / cap)).
+      sliding_window: optional static window; keys with q_pos - k_pos < window are attended.
+      block_q: query tokens per program (a power of 2; default: 32 rows of block_q x group, at least 16).
+      pages_per_compute_block: pages per key block (default: ~128 keys, 64 for f32; at least 16 keys).
+      num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).
+      interpret: run in Pallas interpret mode (CPU testing).
+    Returns:
+      [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
+    """
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_seqs = page_tables.shape[0]
+    # Triton tensors must have power-of-2 sizes; interpret mode (CPU) has no such limit, so tiny test
+    # models (head_dim 8) can still run the kernel's logic there.
+    if not interpret and not (is_pow2(page_size) and is_pow2(head_dim) and head_dim >= 16):
+        raise ValueError(f"the Triton kernel needs a power-of-2 page_size and head_dim >= 16, "
+                         f"got page_size={page_size}, head_dim={head_dim}")
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    if block_q is None:
+        block_q = max(1, DEFAULT_ROWS // group_pad)
+    check_block_q(block_q)
+    block_q = max(block_q, MIN_DOT_ROWS // group_pad)  # at least 16 rows for tl.dot
+    wide = jnp.dtype(q.dtype).itemsize >= 4  # f32 tiles take twice the registers / shared memory
+    ppb = pick_pages_per_block(page_size, page_tables.shape[1], pages_per_compute_block,
+                               target_tokens=64 if wide else 128, min_tokens=MIN_DOT_ROWS)
+    if not interpret and not is_pow2(ppb):
+        raise ValueError(f"pages_per_compute_block must be a power of 2 for Triton, got {ppb}")
+    if num_warps is None:
+        num_warps = 8 if block_q * group_pad >= 128 else 4
+
+    # One spare tile of rows, so a tile starting at any real row stays inside the array.
+    q4 = q.reshape(tokens, num_kv_heads, group, head_dim)
+    q4 = jnp.pad(q4, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    num_items = max(1, -(-tokens // block_q) + min(num_seqs, tokens))
+    tables = pad_page_table(page_tables, ppb)
+    out = _ragged_call(work_items(cu_q_lens, block_q, num_items), kv_lens, cu_q_lens, tables.reshape(-1), q4,
+                       k_pages, v_pages, max_pages=tables.shape[1], sm_scale=float(sm_scale),
+                       soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
+                       block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,
+                       interpret=interpret)
+    out = out[:tokens, :, :group].reshape(tokens, num_heads, head_dim)
+    # No program writes padding rows: whatever the output buffer held there is replaced by zeros.
+    real = jnp.arange(tokens) < cu_q_lens[-1]
+    return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))

@@ -1,0 +1,173 @@
+"""Ragged paged attention for TPUs (Pallas Mosaic backend): aligned query blocks over the flat tokens.
+
+1. The wrapper lays the tokens out head-major, `[T, H, D] -> [KVH, G, T_pad, D]`, so one block
+   `[G, block_q, D]` collapses to a `[G * block_q, D]` matrix without a sublane relayout (block_q is a
+   power of 2 and a multiple of 16). Blocks are aligned to the flat array, not to sequences: one block can
+   hold the single rows of many decodes, or a piece of a prefill chunk and its neighbours.
+2. kv_lens, cu_q_lens, the flattened page tables and, per query block, the range of sequences whose rows
+   overlap it (two searchsorteds over cu_q_lens) are scalar-prefetch operands in SMEM. The grid is
+   `(kv_head, query_block)`, both parallel; the K/V cache stays in HBM (`pl.ANY`).
+3. A grid step sets up one online-softmax state for all its rows, then, sequence by sequence, streams
+   that sequence's key blocks (from the sliding window's start to the causal edge of its last row in the
+   block) through the double-buffered DMA of `_tpu_call`, masking every row that is not the sequence's.
+4. It normalises once at the end; padding rows belong to no sequence, see no key and come out as zeros.
+
+The default block is ~128 rows (block_q = 128 // G_pad tokens, at least 16): on a decode-only block
+most rows of each sequence's pass are other sequences' (masked), which costs MXU time the K/V stream
+hides at that size, while a prefill chunk still gets a tile that reads each K/V block once per block_q
+tokens. Sequences in a block run one after another; the next one's first DMA is not yet overlapped with
+the previous one's last block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels._paged_common import (
+    check_block_q,
+    check_ragged_args,
+    dot_precision,
+    next_pow2,
+    pad_page_table,
+    pick_pages_per_block,
+    round_up,
+)
+from pallas_kernels._tpu_call import attend_paged_blocks, init_softmax_state, normalised_output, paged_flash_call
+
+MIN_BLOCK_Q = 16  # a bf16 sublane tile, so [G, block_q, D] -> [G * block_q, D] is layout-free
+DEFAULT_ROWS = 128  # query rows (group x tokens) per grid step; see the module docstring
+
+
+def _ragged_kernel(kv_lens_ref,  # [num_seqs] int32 (SMEM, scalar prefetch)
+                   cu_q_lens_ref,  # [num_seqs + 1] int32 (SMEM)
+                   page_tables_ref,  # [num_seqs * max_pages_padded] int32 (SMEM)
+                   block_seqs_ref,  # [2 * num_q_blocks] int32 (SMEM): first, end sequence per query block
+                   q_ref,  # [group, block_q, head_dim] (VMEM block) queries of one KV group
+                   k_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
+                   v_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
+                   o_ref,  # [group, block_q, head_dim] (VMEM block)
+                   k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM double buffer
+                   v_buf,  # [2, pages_per_block, page_size, head_dim]
+                   sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
+                   m_ref,  # [group * block_q, 1] f32 running max
+                   l_ref,  # [group * block_q, 1] f32 running denominator
+                   acc_ref,  # [group * block_q, head_dim] f32 running numerator
+                   *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+                   pages_per_block: int, max_pages: int, precision):
+    h, qb = pl.program_id(0), pl.program_id(1)
+    group, block_q, head_dim = q_ref.shape
+    page_size = k_buf.shape[2]
+    block_k = pages_per_block * page_size
+    rows = group * block_q
+    block_start = qb * block_q
+
+    # Row r is head r // block_q, token r % block_q; block_q is a power of 2, so the token of a row is a
+    # bit-mask, not a vector remainder.
+    token = block_start + (lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) & (block_q - 1))
+    q = q_ref[...].reshape(rows, head_dim)
+    init_softmax_state(m_ref, l_ref, acc_ref)
+
+    def one_sequence(s, carry):
+        lo = jnp.maximum(cu_q_lens_ref[s], block_start)  # this sequence's rows in the block: [lo, hi)
+        hi = jnp.minimum(cu_q_lens_ref[s + 1], block_start + block_q)
+        offset = kv_lens_ref[s] - cu_q_lens_ref[s + 1]  # row j sits at position j + offset
+        end_blk = jnp.minimum(lax.div(hi - 1 + offset + block_k, block_k), max_pages // pages_per_block)
+        if sliding_window is None:
+            start_blk = 0
+        else:
+            start_blk = lax.div(jnp.maximum(lo + offset - sliding_window + 1, 0), block_k)
+        num_iters = jnp.where(hi > lo, jnp.maximum(end_blk - start_blk, 0), 0)
+
+        def mask(blk):
+            k_pos = blk * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+            q_pos = token + offset
+            valid = (token >= lo) & (token < hi) & (k_pos <= q_pos)  # causal; k_pos < kv_len follows
+            if sliding_window is not None:
+                valid = valid & (q_pos - k_pos < sliding_window)
+            return valid
+
+        attend_paged_blocks(q, lambda i: page_tables_ref[s * max_pages + i], k_hbm_ref, v_hbm_ref, k_buf, v_buf,
+                            sems, m_ref, l_ref, acc_ref, kv_head=h, start_blk=start_blk, num_iters=num_iters,
+                            mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        return carry
+
+    lax.fori_loop(block_seqs_ref[2 * qb], block_seqs_ref[2 * qb + 1], one_sequence, 0)
+    o_ref[...] = normalised_output(l_ref, acc_ref).reshape(group, block_q, head_dim).astype(o_ref.dtype)
+
+
+def _ragged_call(scalars, q4, k_pages, v_pages, *, max_pages, sm_scale, soft_cap, sliding_window, block_q,
+                 pages_per_block, interpret):
+    num_kv_heads, group, t_pad, head_dim = q4.shape
+    kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+                               sliding_window=sliding_window, pages_per_block=pages_per_block,
+                               max_pages=max_pages, precision=dot_precision(q4.dtype))
+    q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, *_: (h, 0, i, 0))
+    return paged_flash_call(kernel, scalars, q4, k_pages, v_pages, grid=(num_kv_heads, t_pad // block_q),
+                            q_spec=q_spec, rows=group * block_q, pages_per_block=pages_per_block,
+                            name="ragged_paged_attention_mosaic", interpret=interpret)
+
+
+def block_sequences(cu_q_lens: jax.Array, block_q: int, num_blocks: int) -> jax.Array:
+    """[2 * num_blocks] int32: for query block b, the first and one-past-last sequence whose rows overlap
+    rows [b * block_q, (b + 1) * block_q); an empty range for blocks of padding rows."""
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    first = jnp.searchsorted(cu_q_lens[1:], starts, side="right")  # sequences that end at or before it
+    end = jnp.searchsorted(cu_q_lens[:-1], starts + block_q, side="left")  # sequences that start inside it
+    return jnp.stack([first, jnp.maximum(end, first)], axis=1).reshape(-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
+                                             "pages_per_compute_block", "interpret"))
+def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                               page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
+                               soft_cap: float | None = None, sliding_window: int | None = None,
+                               block_q: int | None = None, pages_per_compute_block: int | None = None,
+                               interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+    """Mosaic (TPU) ragged paged attention; same contract as `ragged_paged_attention_reference`.
+
+    Args:
+      q: [tokens, num_heads, head_dim] queries, flat; sequence s owns rows cu_q_lens[s]..cu_q_lens[s+1]-1,
+        its last q_len tokens.
+      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache, with this step's
+        K/V already written.
+      kv_lens: [num_seqs] int tokens in the cache per sequence, this step's included.
+      page_tables: [num_seqs, max_pages] int page ids per sequence (unused entries: the null page 0).
+      cu_q_lens: [num_seqs + 1] int non-decreasing row offsets; empty sequences are padding, and rows from
+        cu_q_lens[-1] on are padding tokens.
+      sm_scale: softmax scale (static).
+      soft_cap: optional static logit soft-cap (cap * tanh(s / cap)).
+      sliding_window: optional static window; keys with q_pos - k_pos < window are attended.
+      block_q: query tokens per grid step (power of 2, >= 16; default: ~128 rows of group x block_q).
+      pages_per_compute_block: pages DMA'd per loop step (default: ~128 keys).
+      interpret: True (or a `pltpu.InterpretParams`, e.g. with detect_races=True) runs under TPU
+        interpret mode, simulating DMAs, semaphores and VMEM on CPU.
+    Returns:
+      [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
+    """
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    if block_q is None:
+        block_q = min(max(MIN_BLOCK_Q, DEFAULT_ROWS // next_pow2(group)), next_pow2(max(tokens, MIN_BLOCK_Q)))
+    check_block_q(block_q, MIN_BLOCK_Q)
+    ppb = pick_pages_per_block(page_size, page_tables.shape[1], pages_per_compute_block, target_tokens=128)
+
+    t_pad = round_up(max(tokens, 1), block_q)
+    q4 = q.reshape(tokens, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # [KVH, G, T, D]
+    if t_pad != tokens:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, t_pad - tokens), (0, 0)))
+    cu_q_lens = cu_q_lens.astype(jnp.int32)
+    tables = pad_page_table(page_tables, ppb)
+    scalars = (kv_lens.astype(jnp.int32), cu_q_lens, tables.reshape(-1),
+               block_sequences(cu_q_lens, block_q, t_pad // block_q))
+    out = _ragged_call(scalars, q4, k_pages, v_pages, max_pages=tables.shape[1], sm_scale=float(sm_scale),
+                       soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
+                       block_q=block_q, pages_per_block=ppb, interpret=interpret)
+    return out[:, :, :tokens].transpose(2, 0, 1, 3).reshape(tokens, num_heads, head_dim)

@@ -1,0 +1,274 @@
+"""Ragged paged attention: the Pallas kernels (Triton and Mosaic flavours, CPU interpret mode) and the blocked
+jnp implementation against `ragged_paged_attention_reference`, and the reference against a float64 oracle.
+
+Each case is one ragged step: a list of (q_len, kv_len) sequences whose dense K/V is scattered over shuffled
+pages of a pool filled with garbage, flat query rows, and padding rows after the last sequence. Grids stay
+tiny: interpret mode runs every grid step on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import kernels_for_platform, select_attention_backend
+from pallas_kernels.blocked import ragged_paged_attention_blocked
+from pallas_kernels import ragged_gpu
+from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
+from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.testing import TOLERANCES, ragged_oracle, random_ragged_case
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len) per sequence
+    dtype: str = "float32"
+    group: int = 2
+    head_dim: int = 64
+    page_size: int = 8
+    max_pages: int = 4
+    padding_tokens: int = 0
+    soft_cap: float | None = None
+    sliding_window: int | None = None
+    blocks: bool = False  # explicit small block sizes, so every loop runs many steps
+
+    @property
+    def id(self) -> str:
+        dtype = "f32" if self.dtype == "float32" else "bf16"
+        return f"{self.name}-{dtype}-G{self.group}-D{self.head_dim}-P{self.page_size}"
+
+
+# Lengths cover 1, exact page boundaries (kv_len a multiple of the page size), prefill chunks over a cached
+# prefix (kv_len > q_len), padding sequences (0, 0), an unscheduled sequence (0, n) and padding token rows.
+CASES = [
+    Case("decode-only", ((1, 1), (1, 8), (1, 16), (1, 13)), group=1, padding_tokens=2),
+    Case("prefill-only", ((16, 16), (7, 7)), dtype="bfloat16", page_size=16, head_dim=128, max_pages=2),
+    Case("mixed-prefix", ((1, 17), (9, 24), (0, 0), (1, 4), (0, 11), (5, 5)), group=4, page_size=4,
+         max_pages=6, padding_tokens=3),
+    Case("gqa8", ((3, 40), (1, 33), (12, 12)), dtype="bfloat16", group=8, max_pages=5),
+    Case("group3", ((13, 16), (1, 9), (0, 0)), dtype="bfloat16", group=3, padding_tokens=1),
+    Case("window", ((1, 29), (6, 22), (1, 5)), group=2, head_dim=128, sliding_window=5),
+    Case("softcap", ((8, 24), (1, 7)), dtype="bfloat16", group=4, soft_cap=1.5),
+    Case("window+cap", ((9, 16), (1, 40), (3, 3)), dtype="bfloat16", group=1, page_size=16, max_pages=3,
+         sliding_window=20, soft_cap=2.0),
+    Case("many-blocks", ((20, 32), (1, 70), (1, 1), (11, 11)), group=2, page_size=4, max_pages=18,
+         padding_tokens=5, blocks=True),
+    # The first key the window lets each tile see sits at every offset of a 4-key block, and at the last
+    # of a 16-key one (the smallest Triton key block).
+    Case("many-blocks-window", ((1, 37), (13, 30), (1, 11), (1, 24)), group=2, page_size=4, max_pages=10,
+         sliding_window=9, soft_cap=3.0, blocks=True),
+    Case("all-padding", ((0, 0), (0, 0)), page_size=16, max_pages=1, padding_tokens=4),
+]
+
+# Explicit small blocks per implementation for `blocks=True` cases: one page per key block, and the
+# smallest query tile each allows (Triton: 16 rows; Mosaic: 16 tokens).
+SMALL_BLOCKS = {
+    "pallas-triton": dict(block_q=8, pages_per_compute_block=1),
+    "pallas-mosaic": dict(block_q=16, pages_per_compute_block=1),
+    "blocked": dict(pages_per_block=1, query_window=4),
+}
+IMPLEMENTATIONS = {
+    "pallas-triton": lambda *a, **k: ragged_paged_attention_gpu(*a, interpret=True, **k),
+    "pallas-mosaic": lambda *a, **k: ragged_paged_attention_tpu(*a, interpret=True, **k),
+    "blocked": ragged_paged_attention_blocked,
+}
+
+
+def _setup(case: Case, num_kv_heads: int = 2, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q_lens, kv_lens = zip(*case.seqs)
+    ragged = random_ragged_case(rng, list(q_lens), list(kv_lens), num_kv_heads=num_kv_heads, group=case.group,
+                                page_size=case.page_size, head_dim=case.head_dim, max_pages=case.max_pages,
+                                padding_tokens=case.padding_tokens)
+    args = (jnp.asarray(ragged.q, case.dtype), jnp.asarray(ragged.paged.k_pages, case.dtype),
+            jnp.asarray(ragged.paged.v_pages, case.dtype), jnp.asarray(ragged.kv_lens),
+            jnp.asarray(ragged.paged.page_tables), jnp.asarray(ragged.cu_q_lens))
+    return args, ragged
+
+
+def _options(case: Case) -> dict:
+    return dict(sm_scale=case.head_dim ** -0.5, soft_cap=case.soft_cap, sliding_window=case.sliding_window)
+
+
+def _assert_close(got, want, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=rtol)
+
+
+def _assert_padding_zero(got, cu_q_lens):
+    assert not np.asarray(got[int(cu_q_lens[-1]):], np.float32).any(), "padding rows must be exact zeros"
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_reference(impl, case):
+    args, ragged = _setup(case)
+    extra = SMALL_BLOCKS[impl] if case.blocks else {}
+    got = IMPLEMENTATIONS[impl](*args, **_options(case), **extra)
+    want = ragged_paged_attention_reference(*args, **_options(case))
+    assert got.shape == args[0].shape and got.dtype == args[0].dtype
+    _assert_close(got, want, case.dtype)
+    _assert_padding_zero(got, ragged.cu_q_lens)
+
+
+def test_triton_result_does_not_depend_on_program_order(monkeypatch):
+    """Interpret mode runs the programs in grid order, so a tile spilling into the next sequence's rows
+    would be overwritten by the right values later; run the items last-first to catch an unmasked store."""
+    case = CASES[2]  # mixed-prefix: sequences of 1, 9, 1 and 5 rows in tiles of 8 tokens
+    args, ragged = _setup(case)
+    in_order = ragged_gpu.work_items
+    monkeypatch.setattr(ragged_gpu, "work_items", lambda *a: tuple(x[::-1] for x in in_order(*a)))
+    # The jitted wrapper may hold a trace made with the in-order items: call the function it wraps.
+    got = ragged_paged_attention_gpu.__wrapped__(*args, **_options(case), interpret=True)
+    _assert_close(got, ragged_paged_attention_reference(*args, **_options(case)), case.dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_reference_matches_float64_oracle(case):
+    """The reference gathers through the same shuffled tables; check it against attention over dense K/V."""
+    args, ragged = _setup(case)
+    want = ragged_paged_attention_reference(*args, **_options(case))
+    rounded = lambda x: np.asarray(jnp.asarray(x, case.dtype), np.float32)  # the inputs the kernels really saw
+    oracle = ragged_oracle(ragged, rounded(ragged.q), rounded(ragged.paged.dense_k), rounded(ragged.paged.dense_v),
+                           **_options(case))
+    _assert_close(want, oracle, case.dtype)
+    _assert_padding_zero(want, ragged.cu_q_lens)
+
+
+def test_tpu_double_buffering_has_no_races():
+    """Sequences that straddle query blocks, several per block, one page per DMA'd block: the race detector
+    raises on any read of a buffer half whose copy has not been waited for."""
+    case = Case("races", ((20, 28), (1, 9), (14, 30), (0, 0), (1, 1)), page_size=4, max_pages=8, padding_tokens=2)
+    args, ragged = _setup(case)
+    params = pltpu.InterpretParams(detect_races=True)
+    got = ragged_paged_attention_tpu(*args, **_options(case), interpret=params, block_q=16,
+                                     pages_per_compute_block=1)
+    _assert_close(got, ragged_paged_attention_reference(*args, **_options(case)), "float32")
+    _assert_padding_zero(got, ragged.cu_q_lens)
+
+
+@pytest.mark.parametrize("flavour", ["triton", "mosaic"])
+def test_backend_inside_outer_jit(flavour):
+    """The engine calls the backend from its own jitted step with traced lengths, tables and row offsets; one
+    compile serves any ragged layout of the same bucket. head_dim 8 and 8 query / 4 KV heads, like
+    stories260K, must run in interpret mode."""
+    backend = kernels_for_platform("cpu", cpu_flavour=flavour)
+    assert backend.name == f"pallas-{flavour} (interpret)"
+
+    @jax.jit
+    def step(*args):
+        return backend.ragged(*args, sm_scale=8 ** -0.5, soft_cap=None, sliding_window=None)
+
+    layouts = [((1, 9), (1, 17), (14, 14), (0, 0)), ((6, 30), (0, 0), (1, 1), (1, 12))]  # both 16 + 2 rows
+    for seqs in layouts:
+        case = Case("stories", seqs, group=2, head_dim=8, max_pages=4, padding_tokens=18 - sum(q for q, _ in seqs))
+        args, ragged = _setup(case, num_kv_heads=4)
+        got = step(*args)
+        _assert_close(got, ragged_paged_attention_reference(*args, sm_scale=8 ** -0.5), "float32")
+        _assert_padding_zero(got, ragged.cu_q_lens)
+    assert step._cache_size() == 1
+
+
+def test_platform_selection(monkeypatch):
+    assert kernels_for_platform("gpu").name == "pallas-triton"
+    assert kernels_for_platform("cuda").name == "pallas-triton"
+    assert kernels_for_platform("tpu").name == "pallas-mosaic"
+    monkeypatch.delenv("JAXSERVE_PALLAS_CPU_FLAVOUR", raising=False)
+    assert kernels_for_platform("cpu").name == "pallas-triton (interpret)"
+    assert select_attention_backend("pallas", platform="cpu").name == "pallas-triton (interpret)"
+    assert select_attention_backend("auto", platform="cpu").name == "blocked (jnp)"
+    assert select_attention_backend("reference", platform="cpu").name == "reference (jnp, dense)"
+    assert select_attention_backend("auto", platform="gpu").name == "pallas-triton"
+    monkeypatch.setenv("JAXSERVE_PALLAS_CPU_FLAVOUR", "tpu")
+    assert kernels_for_platform("cpu").name == "pallas-mosaic (interpret)"
+    monkeypatch.setenv("JAXSERVE_PALLAS_CPU_FLAVOUR", "cuda-graphs")
+    with pytest.raises(ValueError, match="flavour"):
+        kernels_for_platform("cpu")
+    with pytest.raises(NotImplementedError):
+        kernels_for_platform("metal")
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_attention_backend("fastest", platform="cpu")
+
+
+def _bad_inputs():
+    q = jnp.zeros((6, 4, 64), jnp.float32)
+    kv = jnp.zeros((2, 6, 8, 64), jnp.float32)
+    lens = jnp.array([3, 4], jnp.int32)
+    table = jnp.zeros((2, 3), jnp.int32)
+    cu = jnp.array([0, 2, 6], jnp.int32)
+    return [
+        ("q must be", (q[0], kv, kv, lens, table, cu), {}),
+        ("v_pages shape", (q, kv, kv[:, :5], lens, table, cu), {}),
+        ("k_pages must be", (q, kv[0], kv[0], lens, table, cu), {}),
+        ("head_dim", (q, kv[..., :32], kv[..., :32], lens, table, cu), {}),
+        ("multiple of num_kv_heads", (q[:, :3], kv, kv, lens, table, cu), {}),
+        ("page tables must be an integer", (q, kv, kv, lens, table.astype(jnp.float32), cu), {}),
+        ("page_tables must be", (q, kv, kv, lens, table[0], cu), {}),
+        ("kv_lens must be \\[num_seqs", (q, kv, kv, lens[:1], table, cu), {}),
+        ("kv_lens must be an integer", (q, kv, kv, lens.astype(jnp.float32), table, cu), {}),
+        ("cu_q_lens must be \\[num_seqs", (q, kv, kv, lens, table, cu[1:]), {}),
+        ("cu_q_lens must be an integer", (q, kv, kv, lens, table, cu.astype(jnp.float32)), {}),
+        ("soft_cap", (q, kv, kv, lens, table, cu), {"soft_cap": -1.0}),
+        ("sliding_window", (q, kv, kv, lens, table, cu), {"sliding_window": 0}),
+    ]
+
+
+KERNEL_KNOBS = [("pages_per_compute_block", {"pages_per_compute_block": 0}), ("block_q", {"block_q": 24})]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("match,args,kwargs", _bad_inputs(), ids=[b[0].replace("\\", "") for b in _bad_inputs()])
+def test_validation_errors(impl, match, args, kwargs):
+    with pytest.raises(ValueError, match=match):
+        IMPLEMENTATIONS[impl](*args, sm_scale=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["pallas-triton", "pallas-mosaic"])
+@pytest.mark.parametrize("match,kwargs", KERNEL_KNOBS, ids=[k[0] for k in KERNEL_KNOBS])
+def test_kernel_block_size_errors(impl, match, kwargs):
+    kv = jnp.zeros((2, 6, 8, 64), jnp.float32)
+    args = (jnp.zeros((6, 4, 64), jnp.float32), kv, kv, jnp.array([3, 4]), jnp.zeros((2, 3), jnp.int32),
+            jnp.array([0, 2, 6]))
+    with pytest.raises(ValueError, match=match):
+        IMPLEMENTATIONS[impl](*args, sm_scale=0.1, **kwargs)
+
+
+TRITON_LIMITS = [("head_dim-80", 80, 8, {}), ("head_dim-8", 8, 8, {}), ("page_size-12", 64, 12, {}),
+                 ("pages_per_block-3", 64, 8, {"pages_per_compute_block": 3})]
+
+
+@pytest.mark.parametrize("what,head_dim,page_size,kwargs", TRITON_LIMITS, ids=[t[0] for t in TRITON_LIMITS])
+def test_triton_shape_limits_outside_interpret_mode(what, head_dim, page_size, kwargs):
+    q = jnp.zeros((6, 4, head_dim), jnp.float32)
+    kv = jnp.zeros((2, 6, page_size, head_dim), jnp.float32)
+    args = (q, kv, kv, jnp.array([3, 4]), jnp.zeros((2, 3), jnp.int32), jnp.array([0, 2, 6]))
+    with pytest.raises(ValueError, match="power-of-2|power of 2"):
+        ragged_paged_attention_gpu(*args, sm_scale=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_for_real_hardware(platform, dtype):
+    """Lower (not run) the non-interpret kernels for an abstract H200 / TPU v5e: this catches Triton's
+    power-of-2 and Mosaic's block-shape rules on CPU. Triton->PTX and Mosaic's layout passes still need the
+    hardware (benchmarks/gpu_kernels.py)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    kind, dev_platform = ("NVIDIA H200", "gpu") if platform == "cuda" else ("TPU v5 lite", "tpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                        abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform=dev_platform))
+    kernel = ragged_paged_attention_gpu if platform == "cuda" else ragged_paged_attention_tpu
+    shape = jax.ShapeDtypeStruct
+    # A 96-token bucket over 6 sequences, 32 query / 8 KV heads, head_dim 128, 16-token pages.
+    args = (shape((96, 32, 128), dtype), shape((8, 65, 16, 128), dtype), shape((8, 65, 16, 128), dtype),
+            shape((6,), jnp.int32), shape((6, 16), jnp.int32), shape((7,), jnp.int32))
+    fn = jax.jit(lambda *a: kernel(*a, sm_scale=0.088, soft_cap=30.0, sliding_window=100))
+    with use_abstract_mesh(mesh):
+        text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert ("__gpu$xla.gpu.triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
