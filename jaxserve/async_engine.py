@@ -65,10 +65,8 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     continue
-                outputs = self.engine.step()
+                self._post_all(self.engine.step())
                 self.steps += 1
-                for output in outputs:
-                    self._post(output.request_id, output)
         except Exception as e:  # the loop must not die silently: fail every waiter and report it
             logger.exception("engine thread failed")
             self.error = f"{type(e).__name__}: {e}"
@@ -87,6 +85,16 @@ class AsyncEngine:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _post_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops: one wake-up per loop per step, not one per output."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            target = self._queues.get(output.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
@@ -115,6 +123,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._wake.set()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, output in items:
+        q.put_nowait(output)
 
 
 class TokenTimer:

@@ -70,6 +70,10 @@ class ModelRunner:
         self.dtype = dtype
         self.plan: MeshPlan = model.plan
         self.graphdef, self.params = model.graphdef, model.params
+        # The step takes the parameters as a flat tuple: flattening an nnx.State runs Python code for
+        # every leaf, on every call, on the critical path of each step.
+        self._param_leaves, param_tree = jax.tree.flatten(self.params)
+        self._param_leaves = tuple(self._param_leaves)
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         self.layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq)
                         for b in scheduler_config.token_buckets}
@@ -86,10 +90,11 @@ class ModelRunner:
         step_kwargs = dict(graphdef=self.graphdef, attention=attention, config=model_config, pp=plan.pp,
                            num_samples=scheduler_config.max_num_seqs)
 
-        def step(params, kv_cache, prev_samples, ints, floats, layout, with_logits):
+        def step(param_leaves, kv_cache, prev_samples, ints, floats, layout, with_logits):
             # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
             # then computed identically on every device); we do not ask JAX to prove it per value.
             local = functools.partial(_step_local, **step_kwargs, layout=layout, with_logits=with_logits)
+            params = jax.tree.unflatten(param_tree, param_leaves)
             return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P()),
                                  out_specs=(kv_specs, P(), P()), check_vma=False)(params, kv_cache, prev_samples,
                                                                                   ints, floats)
@@ -97,7 +102,7 @@ class ModelRunner:
         # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
         # with in_shardings.
         self._step = jax.jit(step, static_argnums=(5, 6), donate_argnums=(1,),
-                             in_shardings=(model.shardings, kv_sharding, rep, rep, rep),
+                             in_shardings=(tuple(a.sharding for a in self._param_leaves), kv_sharding, rep, rep, rep),
                              out_shardings=(kv_sharding, rep, rep))
 
     def _new_kv_cache(self) -> KVCache:
@@ -128,7 +133,7 @@ class ModelRunner:
 
     def _dispatch(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
                   with_logits: bool) -> StepOutput:
-        self.kv_cache, samples, logits = self._step(self.params, self.kv_cache, self._prev_samples, ints, floats,
+        self.kv_cache, samples, logits = self._step(self._param_leaves, self.kv_cache, self._prev_samples, ints, floats,
                                                     layout, with_logits)
         self._prev_samples = samples
         samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now

@@ -89,9 +89,20 @@ def seed_words(seed: int) -> tuple[int, int]:
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """Row-wise argmax (first index of the maximum), [rows, vocab] -> [rows] int32.
+
+    Two plain reductions rather than `jnp.argmax`: XLA's CPU backend runs argmax's (value, index) pair
+    reduction about ten times slower, and on CPU it was a tenth of a batched decode step."""
+    vocab = logits.shape[-1]
+    top = logits.max(axis=-1, keepdims=True)
+    index = jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+    return jnp.minimum(index, vocab - 1)  # a NaN row matches nothing: answer a valid id, not vocab
+
+
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """logits [slots, vocab] float32 -> token ids [slots] int32."""
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = greedy(logits)
     # The sort below costs a vocab-sized sort per row: skip it when every row is greedy.
     return jax.lax.cond(jnp.any(params.temperature > 0),
                         lambda: jnp.where(params.temperature > 0, _sample_filtered(logits, params), greedy_tokens),

@@ -64,22 +64,23 @@ def _decode_rows(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, sm_sca
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
     row = jnp.minimum(cu_q_lens[:-1], q.shape[0] - 1)
     lens = jnp.where(q_len == 1, kv_lens, 0)
-    qd = q[row].reshape(num_seqs, kvh, -1, head_dim).astype(jnp.float32)  # [S, KVH, G, D]
+    # [KVH, S, G, D]: the layout the gathered key blocks come in, so no block is ever transposed.
+    qd = q[row].reshape(num_seqs, kvh, -1, head_dim).swapaxes(0, 1).astype(jnp.float32)
     first_key = jnp.zeros_like(lens) if sliding_window is None else jnp.maximum(lens - sliding_window, 0)
     start_blk = jnp.min(jnp.where(lens > 0, first_key, jnp.iinfo(jnp.int32).max)) // block_k
     end_blk = (jnp.max(lens) + block_k - 1) // block_k
 
     def body(blk, carry):
         ids = lax.dynamic_slice_in_dim(tables, blk * ppb, ppb, axis=1)  # [S, ppb]
-        k = k_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).swapaxes(0, 1).astype(jnp.float32)
-        v = v_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).swapaxes(0, 1).astype(jnp.float32)
+        k = k_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).astype(jnp.float32)
+        v = v_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).astype(jnp.float32)
         pos = blk * block_k + jnp.arange(block_k)
         valid = (pos[None] < lens[:, None]) & (pos[None] >= first_key[:, None])  # [S, block_k]
-        return _attend_block(carry, qd, k, v, valid[:, None, None], spec="skgd,skld", **scoring)
+        return _attend_block(carry, qd, k, v, valid[None, :, None], spec="ksgd,ksld", **scoring)
 
     acc, _, l = lax.fori_loop(jnp.minimum(start_blk, end_blk), end_blk, body,
                               _init(qd.shape[:3], head_dim))
-    out = _finish(acc, l).reshape(num_seqs, -1, head_dim)
+    out = _finish(acc, l).swapaxes(0, 1).reshape(num_seqs, -1, head_dim)
     return out, jnp.where(q_len == 1, row, q.shape[0])  # out-of-range index: dropped by the scatter
 
 

@@ -115,16 +115,11 @@ class OpenAIServer:
         for ids in prompt_ids:
             self.metrics.prompt_tokens.inc(len(ids))
 
-        async def pump(i: int):
-            try:
-                async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
-                    timers[i].on_tokens(len(out.new_token_ids))
-                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
-                    if out.finished:
-                        self.metrics.observe_request(timers[i], out.finish_reason)
-                    await merged.put((i, out))
-            except Exception as e:  # surfaced to the handler through the queue
-                await merged.put((i, e))
+        def account(i: int, out: RequestOutput) -> None:
+            timers[i].on_tokens(len(out.new_token_ids))
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            if out.finished:
+                self.metrics.observe_request(timers[i], out.finish_reason)
 
         async def watch_disconnect():
             while (await request.receive())["type"] != "http.disconnect":
@@ -132,8 +127,25 @@ class OpenAIServer:
             for rid in request_ids:
                 self.async_engine.abort(rid)
 
-        pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
         watcher = asyncio.create_task(watch_disconnect())
+        if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
+            try:
+                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0]):
+                    account(0, out)
+                    yield 0, out
+            finally:
+                watcher.cancel()
+            return
+
+        async def pump(i: int):
+            try:
+                async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
+                    account(i, out)
+                    await merged.put((i, out))
+            except Exception as e:  # surfaced to the handler through the queue
+                await merged.put((i, e))
+
+        pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
         remaining = len(pumps)
         try:
             while remaining:

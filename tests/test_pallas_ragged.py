@@ -64,6 +64,10 @@ CASES = [
     # of a 16-key one (the smallest Triton key block).
     Case("many-blocks-window", ((1, 37), (13, 30), (1, 11), (1, 24)), group=2, page_size=4, max_pages=10,
          sliding_window=9, soft_cap=3.0, blocks=True),
+    # With 4-key blocks and 4-row query windows (the blocked jnp path), the window's first key falls on
+    # the last key of a block for the chunk's windows (11, 15, ...) and for the decode row (18 - 7 = 11).
+    Case("window-block-edge", ((13, 30), (1, 18)), group=2, page_size=4, max_pages=10, sliding_window=7,
+         blocks=True),
     Case("all-padding", ((0, 0), (0, 0)), page_size=16, max_pages=1, padding_tokens=4),
 ]
 

@@ -42,6 +42,10 @@ def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis) -> jax.Array:
 
 
 def gather_vocab(logits: jax.Array, axis: Axis, vocab_size: int) -> jax.Array:
-    if axis is not None:
-        logits = jax.lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    if axis is not None and jax.lax.axis_size(axis) > 1:
+        # Gathered as a new leading axis, then moved: gathering along the vocabulary axis itself makes
+        # XLA lay the logits out column-major, and every row-wise reduction after it (argmax, softmax)
+        # then strides through memory.
+        parts = jax.lax.all_gather(logits, axis)  # [tp, ..., local vocab]
+        logits = jnp.moveaxis(parts, 0, -2).reshape(*logits.shape[:-1], -1)
     return logits[..., :vocab_size]
