@@ -2,6 +2,7 @@
 machines); what is checked is that the run completes, its own checks pass, and it reports what it should."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,3 +26,36 @@ def test_prefix_cache_ttft_benchmark_runs_on_a_tiny_model(capsys):
     assert "| warm (system prompt cached) | 12 |" in out  # 96 of 108 tokens came from the cache
     assert "cold / warm TTFT ratio:" in out
     assert "Reproduce: ./dev run python benchmarks/prefix_cache_ttft.py --hidden 64" in out
+
+
+def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, monkeypatch, tmp_path):
+    """The prepared H200 script in interpret mode at tiny sizes (its documented CPU dry run, about 30 s here):
+    the kernel sections and the end-to-end section run through the code the device runs, the e2e greedy
+    check (kernel vs reference) passes, and the final table has the e2e rows and no ERROR."""
+    bench = load("gpu_kernels")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--interpret", "--batch", "2", "--context", "64", "--chunk", "32", "--mixed-decodes", "2",
+            "--mixed-chunk", "16", "--page-sizes", "16", "--block-tokens", "16", "--prefill-blocks", "8x16",
+            "--e2e-tiny"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("\nchecks:"):]
+    assert "ERROR" not in table and "FAIL" not in out
+    assert "checks: 8/8 ok" in table  # 6 kernel checks + the e2e greedy check in float32 and bfloat16
+    lines = table.splitlines()
+    for prefix in ("e2e model ", "e2e decode             1 seqs", "e2e decode             2 seqs",
+                   "e2e prefill ", "decode kernel ", "prefill kernel ", "mixed: one call "):
+        assert any(line.startswith(prefix) for line in lines), prefix
+
+    details = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    assert list(details["section_seconds"]) == ["decode", "prefill", "mixed", "e2e"]
+    e2e_checks = [c for c in details["checks"] if c["check"].startswith("e2e greedy")]
+    assert len(e2e_checks) == 2 and all(c["ok"] and c["tokens"] > 0 for c in e2e_checks)
+    assert "pallas-triton (interpret)" in e2e_checks[0]["check"]  # the kernel, not the CPU default (blocked)
+    decode = [r for r in details["timings"] if r["bench"] == "e2e decode"]
+    assert [r["seqs"] for r in decode] == [1, 2]
+    for r in decode:  # a decode-only window at the context asked for, nothing compiled while timed
+        assert r["tok_s"] > 0 and r["ratio"] > 0 and r["compiles_while_timed"] == 0
+        assert r["mean_context"] >= 24 and r["kv_bytes_read"] > 0
+    model = next(r for r in details["timings"] if r["bench"] == "e2e model")
+    assert model["layers"] == 2 and model["param_bytes"] > 0 and model["backend"] == "pallas-triton (interpret)"
