@@ -1,0 +1,87 @@
+"""The run state and helpers that both parts of the GPU script (`gpu_kernels.py`, sections 1-4 and main();
+`gpu_engine_step.py`, section 5) share.
+
+1. `gpu_kernels.main()` sets the run state from the command line: INTERPRET (--interpret), TIMING (one call
+   each when interpreting), BUDGET (--time-budget), and empties COPY. Read it as `gpu_common.INTERPRET` etc.:
+   a `from gpu_common import INTERPRET` would keep the value of import time.
+2. Every timed part runs through `guarded`, which checks the budget first (`check_budget`) and turns any
+   exception into an error row, so one broken configuration never hides the others' numbers.
+3. `bench` times a jitted call (warm-up, then the median over repeats of back-to-back calls);
+   `measure_copy` times the device-to-device copy whose GB/s (kept in COPY) every later ratio divides by.
+4. `record_check` turns a kernel output and its reference into a pass/fail check row, printed as it goes.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.testing import TOLERANCES
+
+INTERPRET = False  # --interpret: a CPU dry run of this script's logic (use tiny sizes)
+TIMING_DEFAULTS = dict(warmup=3, calls=20, repeats=5)
+TIMING = dict(TIMING_DEFAULTS)  # --interpret: one call each, only to exercise the code
+DTYPE = jnp.bfloat16  # of the timed kernel sections and of the copy yardstick
+COPY: dict = {}  # {"gbs": copy bandwidth} once a section measured it (the decode section, or e2e itself)
+BUDGET = dict(start=time.perf_counter(), seconds=float("inf"))  # --time-budget: later parts are skipped
+
+
+def bench(fn, *args, calls: int | None = None) -> float:
+    """Median seconds per call over `repeats` runs of `calls` back-to-back calls."""
+    calls = min(calls or TIMING["calls"], TIMING["calls"])
+    for _ in range(TIMING["warmup"]):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(TIMING["repeats"]):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return float(np.median(times))
+
+
+def check_budget(reserve: float = 0.0) -> None:
+    """Raise once the run is past --time-budget (or would be, for a part expected to take `reserve` seconds):
+    the parts not started yet become error rows, and the table and JSON still get written before the device
+    call's timeout."""
+    elapsed = time.perf_counter() - BUDGET["start"]
+    if elapsed + reserve > BUDGET["seconds"]:
+        raise TimeoutError(f"skipped: {elapsed:.0f} s in" + (f", needs ~{reserve:.0f} s more" if reserve else "")
+                           + f", past --time-budget {BUDGET['seconds']:.0f} s")
+
+
+def guarded(rows: list, bench_name: str, config: str, measure) -> None:
+    """Run `measure() -> dict` into a row; an exception becomes an error row (and a traceback on stderr)."""
+    try:
+        check_budget()
+        rows.append(dict(bench=bench_name, config=config, **measure()))
+    except Exception as e:  # keep going: one broken configuration must not hide the others' numbers
+        rows.append(dict(bench=bench_name, config=config, error=f"{type(e).__name__}: {e}"[:2000]))
+        if not isinstance(e, TimeoutError):
+            traceback.print_exc()
+
+
+def measure_copy(nbytes: int) -> dict:
+    """Device-to-device copy of an `nbytes` buffer (read + write counted): the bandwidth yardstick, kept in COPY
+    for every later section of the run."""
+    buf = jnp.ones((nbytes // jnp.dtype(DTYPE).itemsize,), DTYPE)
+    t = bench(jax.jit(jnp.copy), buf)
+    COPY["gbs"] = 2 * nbytes / t / 1e9
+    print(f"  copy: {COPY['gbs']:.0f} GB/s", flush=True)
+    return dict(ms=t * 1e3, gbs=COPY["gbs"], ratio=1.0)
+
+
+def record_check(results, name, got, want, dtype, padding_zero: bool) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    ok = bool(np.all(np.abs(g - w) <= atol + rtol * np.abs(w))) and bool(np.isfinite(g).all()) and padding_zero
+    err = float(np.max(np.abs(g - w))) if g.size else 0.0
+    results.append(dict(check=name, ok=ok, max_abs_err=err, atol=atol, rtol=rtol, padding_zero=padding_zero))
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: max |err| {err:.2e}"
+          + ("" if padding_zero else ", padding rows NOT zero"), flush=True)

@@ -1,0 +1,357 @@
+"""Section 5 of the GPU script (`gpu_kernels.py --sections e2e`, `--e2e-*` knobs): a random model of
+Llama-3-8B's shape (hidden 4096, 32/8 heads x 128, intermediate 14336, vocab 128256, rope theta 500000, untied
+head; `--e2e-layers N` fewer layers) in bf16, built by the engine's own path (`build_from_module` + `Engine`,
+the platform's default attention: the Triton kernel on GPU, forced to the same kernel in interpret mode on CPU).
+
+1. Check first (`e2e_check`): greedy tokens of that kernel equal those of attention_backend="reference" over a
+   few hand-built ragged steps of a 2-layer model with the same heads (float32 and bf16; teacher-forced, flips
+   allowed only at near-ties of the reference's own logits, logits within a relative tolerance).
+2. Build (`E2EModel`): the full-size random model, sharded onto the mesh, and its engine warmed up (every step
+   program compiled), unless --time-budget has less than BUILD_RESERVE_S left.
+3. Decode (`E2EModel.decode`) at 1, 16 and 64 running sequences, each with 1024 tokens of context prefilled
+   through the engine: windows of 64 back-to-back `Engine.step()` calls (host work and asynchronous scheduling
+   included; the device is waited for only around each window), median of 3. Reports ms/step, tokens/s, and
+   GB/s = (the measured model's parameter bytes, embedding table excluded, + the K/V bytes of every sequence's
+   context) per step, over step time; ratio = that over the copy GB/s of the same run (`gpu_common.COPY`,
+   measured here if the decode section did not). Every figure is of the model actually built: with
+   --e2e-layers 8 it is a quarter of the layers' bytes, not an extrapolation to 32.
+4. Prefill (`E2EModel.prefill`): one 2048-token prompt on the idle engine (one step), tokens/s and useful
+   TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gpu_common
+from gpu_common import check_budget, guarded, measure_copy
+
+E2E_TINY = dict(e2e_layers=2, e2e_hidden=64, e2e_heads=4, e2e_kv_heads=2, e2e_head_dim=16, e2e_intermediate=128,
+                e2e_vocab=512, e2e_context=24, e2e_decode_batches=[1, 2], e2e_prefill=32, e2e_steps=3,
+                e2e_repeats=1, e2e_warmup_steps=1, e2e_check_layers=2, e2e_check_prompts=[13, 5, 21],
+                e2e_check_steps=3, e2e_copy_mib=8)
+BUILD_RESERVE_S = 150  # seconds --time-budget must still have left to start the full-size model (a guess)
+CHECK_TOLERANCES = {  # logits rel. error, and the reference's top-2 margin (in row std) that excuses a flip
+    "float32": (1e-3, 1e-3), "bfloat16": (5e-2, 0.1)}
+
+
+def e2e_config(args, num_layers: int, vocab: int, max_len: int):
+    from jaxserve.config import ModelConfig
+    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=args.e2e_hidden,
+                       intermediate_size=args.e2e_intermediate, num_layers=num_layers, num_heads=args.e2e_heads,
+                       num_kv_heads=args.e2e_kv_heads, head_dim=args.e2e_head_dim, max_position_embeddings=max_len,
+                       rope_theta=500000.0, tie_word_embeddings=False, torch_dtype=args.e2e_dtype,
+                       bos_token_id=1, eos_token_id=2)
+
+
+def e2e_build(engine_args, config, dtype, seed: int):
+    """The engine's own path: a random NNX module, sharded onto the (one-device) mesh by `build_from_module`."""
+    from jaxserve.engine_args import build_from_module
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.weights import random_model
+    # Token-id prompts: the byte-level tokenizer only detokenizes the samples (unknown ids decode to "").
+    return build_from_module(engine_args, "random-llama", random_model(config, dtype, seed), config,
+                             Tokenizer.byte_level(), dtype)
+
+
+def e2e_backend() -> str:
+    """The platform's default ("auto": the Pallas Triton kernel on GPU); a CPU dry run forces the same kernel,
+    which runs there in interpret mode."""
+    return "pallas" if gpu_common.INTERPRET else "auto"
+
+
+def e2e_check(args, dtype_name: str, checks: list) -> None:
+    """Greedy tokens of the platform's kernel against attention_backend="reference" on a small random model of
+    the same head layout: two ModelRunners over one set of weights run the same hand-built ragged steps (whole
+    prompts, a prompt split over two steps beside decodes, then decodes), both fed the reference's tokens
+    (teacher forcing, so one flip cannot cascade). Passes when the logits agree within the dtype's tolerance
+    and every sampled token is equal, except flips where the reference's own top-2 margin is within rounding
+    (a random model's logits are flat; a broken kernel moves them by far more)."""
+    import contextlib
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.kv_cache import pages_needed
+    from jaxserve.runner import ModelRunner
+    from jaxserve.scheduler import ScheduledChunk
+    from pallas_kernels.dispatch import select_attention_backend
+
+    dtype = jnp.dtype(dtype_name)
+    rel_tol, tie_tol = CHECK_TOLERANCES[dtype_name]
+    lens, steps, page = list(args.e2e_check_prompts), args.e2e_check_steps, args.e2e_page_size
+    n = len(lens)
+    max_len = page * pages_needed(max(lens) + steps + 1, page)
+    bucket = 1 << (sum(lens) - 1).bit_length()  # holds the first step, the largest
+    per_seq = pages_needed(max_len, page)
+    engine_args = EngineArgs(max_num_seqs=n, max_model_len=max_len, page_size=page, num_pages=1 + n * per_seq,
+                             token_buckets=(bucket,), max_num_batched_tokens=bucket, attention_backend=e2e_backend(),
+                             enable_prefix_caching=False)
+    vocab = min(args.e2e_vocab, args.e2e_check_vocab)
+    config = e2e_config(args, args.e2e_check_layers, vocab, max_len)
+    # float32: full-precision matmuls everywhere (no tf32), so the kernel is the only difference left.
+    precision = jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
+    with precision:
+        built = e2e_build(engine_args, config, dtype, seed=5)
+        backends = {"reference": select_attention_backend("reference"), "kernel": built.attention}
+        runners = {k: ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config, b,
+                                  built.dtype) for k, b in backends.items()}
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(3, vocab, size=k).tolist() for k in lens]
+        pages = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
+        fed, last = [0] * n, [0] * n
+        compared = equal = ties = 0
+        diff2 = ref2 = 0.0
+        worst_margin = 0.0
+        finite = True
+        for step in range(steps):
+            spec = []  # (sequence, start, token ids, whether its sample is a real next token)
+            for i, prompt in enumerate(prompts):
+                if fed[i] < len(prompt):
+                    end = len(prompt) // 2 if (i == n - 1 and step == 0) else len(prompt)
+                    spec.append((i, fed[i], prompt[fed[i]:end], end == len(prompt)))
+                else:
+                    spec.append((i, fed[i], [last[i]], True))
+            out = {}
+            for name, runner in runners.items():
+                chunks = [ScheduledChunk.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
+                samples, logits, rows = runner.run(chunks)
+                out[name] = (samples, np.asarray(logits[:rows[-1].stop], np.float64), rows)
+            (ref_s, ref_l, rows), (got_s, got_l, _) = out["reference"], out["kernel"]
+            finite &= bool(np.isfinite(got_l).all() and np.isfinite(ref_l).all())
+            diff2 += float(np.sum((got_l - ref_l) ** 2))
+            ref2 += float(np.sum(ref_l ** 2))
+            for j, (i, start, ids, real) in enumerate(spec):
+                fed[i] = start + len(ids)
+                last[i] = int(ref_s[j])
+                if not real:
+                    continue
+                compared += 1
+                if got_s[j] == ref_s[j]:
+                    equal += 1
+                    continue
+                row = ref_l[rows[j].stop - 1]
+                margin = float(row[ref_s[j]] - row[got_s[j]]) / max(float(row.std()), 1e-30)
+                worst_margin = max(worst_margin, margin)
+                ties += margin <= tie_tol
+        del runners, built
+    rel = (diff2 / ref2) ** 0.5 if ref2 else float("nan")
+    ok = finite and compared > 0 and rel <= rel_tol and equal + ties == compared
+    name = f"e2e greedy {dtype_name} {backends['kernel'].name} vs reference ({args.e2e_check_layers}L)"
+    checks.append(dict(check=name, ok=ok, tokens=compared, equal=equal, near_ties=ties, logits_rel_err=rel,
+                       rel_tol=rel_tol, worst_flip_margin_std=worst_margin, tie_tol_std=tie_tol, finite=finite))
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {equal}/{compared} greedy tokens equal"
+          + (f" ({ties} flips at near-ties, worst margin {worst_margin:.2g} std)" if compared - equal else "")
+          + f", logits rel err {rel:.1e} (tol {rel_tol:g})" + ("" if finite else ", NOT finite"), flush=True)
+
+
+class E2EModel:
+    """The timed engine over the full-size random model, with what the rows need to count bytes and FLOPs."""
+
+    def __init__(self, args):
+        from jaxserve import Engine, EngineArgs
+        from jaxserve.kv_cache import pages_needed
+
+        batches = sorted(set(args.e2e_decode_batches))
+        budget = max(args.e2e_prefill, batches[-1])
+        # Every sequence's context, its tokens decoded while the others prefilled, the timed steps, a margin;
+        # and room for the prefill prompt plus its one sampled token.
+        decoded = (-(-batches[-1] * args.e2e_context // budget) + 2 + args.e2e_warmup_steps
+                   + args.e2e_repeats * args.e2e_steps + 8)
+        page = args.e2e_page_size
+        max_len = page * pages_needed(max(args.e2e_context + decoded, args.e2e_prefill + 1), page)
+        self.args, self.batches = args, batches
+        self.dtype = jnp.dtype(args.e2e_dtype)
+        self.config = c = e2e_config(args, args.e2e_layers, args.e2e_vocab, max_len)
+        engine_args = EngineArgs(max_num_seqs=batches[-1], max_model_len=max_len, page_size=page,
+                                 max_num_batched_tokens=budget, token_buckets=tuple(sorted(set(batches) | {budget})),
+                                 attention_backend=e2e_backend())
+        t0 = time.perf_counter()
+        built = e2e_build(engine_args, c, self.dtype, seed=0)
+        jax.block_until_ready(built.model.params)
+        self.build_s = time.perf_counter() - t0
+        self.engine = Engine(engine_args, built=built)
+        self.backend = built.attention.name
+        self.warmup_s = self.engine.warmup()
+        item = self.dtype.itemsize
+        self.param_bytes = built.model.num_bytes  # the measured model's, whatever --e2e-layers says
+        self.embed_bytes = c.vocab_size * c.hidden_size * item  # gathered, not read whole (untied head)
+        self.layer_params = self.param_bytes // item - 2 * c.vocab_size * c.hidden_size - c.hidden_size
+        self.kv_bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * item
+        self.kv_cache_bytes = self.engine.runner.kv_cache.num_bytes
+        self.rng = np.random.default_rng(1)
+
+    def prompt(self, length: int) -> list[int]:
+        return self.rng.integers(3, self.config.vocab_size, size=length).tolist()
+
+    def drain(self, limit: int = 100_000) -> None:
+        for _ in range(limit):
+            if not self.engine.has_unfinished():
+                return
+            self.engine.step()
+        raise RuntimeError("the engine did not drain")
+
+    def decode(self, n: int) -> dict:
+        """n sequences with a context of --e2e-context each, prefilled through the engine; then windows of
+        --e2e-steps back-to-back `Engine.step()` calls (host work and asynchronous scheduling included), the
+        device waited for only before and after each window. The median window gives the row."""
+        from jaxserve import SamplingParams
+        a, engine = self.args, self.engine
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        ids = {engine.add_request(self.prompt(a.e2e_context), params) for _ in range(n)}
+        try:
+            started = set()
+            for _ in range(n * a.e2e_context + 100):  # prefill: every sequence reaches its first token
+                started.update(o.request_id for o in engine.step() if o.new_token_ids)
+                if ids <= started:
+                    break
+            else:
+                raise RuntimeError(f"only {len(started)} of {n} sequences reached decode")
+            for _ in range(a.e2e_warmup_steps):
+                engine.step()
+            prompt_tokens, compiles = engine.stats.prompt_tokens, engine.compilations_since_warmup
+            windows = []
+            for _ in range(a.e2e_repeats):
+                running = engine.scheduler.running
+                if len(running) != n or not all(r.is_decoding for r in running):
+                    raise RuntimeError(f"{len(running)} sequences running, not {n} decoding")
+                kv_first = sum(r.num_computed + 1 for r in running)  # the next step's kv_lens, summed
+                jax.block_until_ready(engine.runner.kv_cache)
+                t0 = time.perf_counter()
+                for _ in range(a.e2e_steps):
+                    engine.step()
+                jax.block_until_ready(engine.runner.kv_cache)
+                t = (time.perf_counter() - t0) / a.e2e_steps
+                windows.append((t, kv_first + n * (a.e2e_steps - 1) / 2))  # mean KV tokens read per step
+            if engine.stats.prompt_tokens != prompt_tokens:
+                raise RuntimeError("a prefill ran inside the timed steps (a preemption?): not pure decode")
+        finally:
+            for request_id in ids:
+                engine.abort(request_id)
+            self.drain()
+        t, kv_tokens = sorted(windows)[len(windows) // 2]
+        params_read = self.param_bytes - self.embed_bytes + n * self.config.hidden_size * self.dtype.itemsize
+        kv_read = kv_tokens * self.kv_bytes_per_token
+        gbs = (params_read + kv_read) / t / 1e9
+        copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
+        row = dict(ms=t * 1e3, tok_s=n / t, gbs=gbs, ratio=gbs / copy_gbs, seqs=n, mean_context=kv_tokens / n,
+                   param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
+                   window_ms=[w[0] * 1e3 for w in windows],
+                   compiles_while_timed=engine.compilations_since_warmup - compiles)
+        print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}): {t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
+              f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
+        return row
+
+    def prefill(self) -> dict:
+        """One --e2e-prefill-token prompt on the idle engine: submission to first token, i.e. one step of that
+        many tokens plus the host work around it. Median of --e2e-repeats after an untimed one."""
+        from jaxserve import SamplingParams
+        a, engine, c = self.args, self.engine, self.config
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        times = []
+        for i in range(1 + a.e2e_repeats):
+            prompt, before = self.prompt(a.e2e_prefill), engine.stats.prompt_tokens
+            t0 = time.perf_counter()
+            request_id = engine.add_request(prompt, params)
+            for steps in range(1, 10):
+                if any(o.request_id == request_id and o.new_token_ids for o in engine.step()):
+                    break
+            t = time.perf_counter() - t0
+            self.drain()
+            if engine.stats.prompt_tokens - before != a.e2e_prefill or steps != 2:
+                raise RuntimeError(f"expected one {a.e2e_prefill}-token step, got {steps - 1} steps and "
+                                   f"{engine.stats.prompt_tokens - before} prefilled tokens")
+            if i:
+                times.append(t)
+        t, tokens = float(np.median(times)), a.e2e_prefill
+        # Useful FLOPs: every layer's matmuls on every token, causal attention, the LM head on the last token.
+        flops = (2 * tokens * self.layer_params + 2 * c.vocab_size * c.hidden_size
+                 + 4 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2)
+        print(f"  prefill {tokens} tokens: {t * 1e3:.1f} ms, {tokens / t:.0f} tok/s, {flops / t / 1e12:.1f} TFLOP/s",
+              flush=True)
+        return dict(ms=t * 1e3, tok_s=tokens / t, tflops=flops / t / 1e12, times_ms=[x * 1e3 for x in times])
+
+
+def run_e2e(args, rows: list, checks: list) -> None:
+    """A random model of Llama-3-8B's shape in --e2e-dtype through the engine (`build_from_module` + `Engine`,
+    the platform's default attention): the kernel-vs-reference greedy check on a small model of the same head
+    layout first, then decode steps at --e2e-decode-batches running sequences and one prefill step."""
+    print(f"  greedy check: {args.e2e_check_layers}-layer model, prompts {args.e2e_check_prompts}, "
+          f"{args.e2e_check_steps} steps", flush=True)
+    for dtype_name in args.e2e_check_dtypes:
+        try:
+            check_budget()
+            e2e_check(args, dtype_name, checks)
+        except Exception as e:  # keep going: the timings below still say something, and the check shows FAIL
+            checks.append(dict(check=f"e2e greedy {dtype_name}", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+            if not isinstance(e, TimeoutError):
+                traceback.print_exc()
+
+    if "gbs" not in gpu_common.COPY:  # the decode section did not run (or failed): measure the yardstick here
+        nbytes = args.e2e_copy_mib << 20
+        guarded(rows, "copy", f"{args.e2e_copy_mib} MiB", lambda: measure_copy(nbytes))
+
+    model: dict = {}
+
+    def build():
+        check_budget(reserve=0 if gpu_common.INTERPRET else BUILD_RESERVE_S)
+        m = model["m"] = E2EModel(args)
+        c = m.config
+        print(f"  model: random Llama, hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
+              f"heads x {c.head_dim}, intermediate {c.intermediate_size}, vocab {c.vocab_size}: "
+              f"{m.param_bytes / m.dtype.itemsize / 1e9:.2f}B parameters = {m.param_bytes / 1e9:.2f} GB "
+              f"{m.dtype.name}; KV cache {m.kv_cache_bytes / 1e9:.2f} GB; attention {m.backend}; built in "
+              f"{m.build_s:.1f} s, {len(m.engine.runner.layouts)} step programs compiled in {m.warmup_s:.1f} s",
+              flush=True)
+        return dict(ms=(m.build_s + m.warmup_s) * 1e3, param_bytes=m.param_bytes, kv_cache_bytes=m.kv_cache_bytes,
+                    layers=c.num_layers, backend=m.backend, build_s=m.build_s, warmup_s=m.warmup_s,
+                    max_model_len=c.max_position_embeddings, buckets=list(m.engine.runner.layouts))
+
+    guarded(rows, "e2e model", f"{args.e2e_layers}L {args.e2e_dtype} build+compile", build)
+
+    def need_model():
+        if "m" not in model:
+            raise RuntimeError("no model: its build failed (see the 'e2e model' row)")
+        return model["m"]
+
+    for n in sorted(set(args.e2e_decode_batches)):
+        guarded(rows, "e2e decode", f"{n} seqs x ctx {args.e2e_context}, {args.e2e_layers}L",
+                lambda n=n: need_model().decode(n))
+    guarded(rows, "e2e prefill", f"{args.e2e_prefill}-token prompt, {args.e2e_layers}L",
+            lambda: need_model().prefill())
+    model.clear()  # the weights and the KV cache go before anything runs after this section
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--e2e-*` options (and --e2e-tiny, whose defaults are E2E_TINY) of the script's command line."""
+    e2e = parser.add_argument_group("end to end (a random Llama-3-8B-shaped model through the engine)")
+    e2e.add_argument("--e2e-tiny", action="store_true",
+                     help="tiny defaults for every --e2e-* size (a CPU dry run; explicit flags still win)")
+    e2e.add_argument("--e2e-layers", type=int, default=32, help="layers of the timed model (the check's: below)")
+    e2e.add_argument("--e2e-hidden", type=int, default=4096)
+    e2e.add_argument("--e2e-heads", type=int, default=32)
+    e2e.add_argument("--e2e-kv-heads", type=int, default=8)
+    e2e.add_argument("--e2e-head-dim", type=int, default=128)
+    e2e.add_argument("--e2e-intermediate", type=int, default=14336)
+    e2e.add_argument("--e2e-vocab", type=int, default=128256)
+    e2e.add_argument("--e2e-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    e2e.add_argument("--e2e-page-size", type=int, default=16)
+    e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
+    e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
+                     help="running sequences of each decode row")
+    e2e.add_argument("--e2e-steps", type=int, default=64, help="back-to-back decode steps per timed window")
+    e2e.add_argument("--e2e-repeats", type=int, default=3, help="timed windows (decode) or prompts (prefill)")
+    e2e.add_argument("--e2e-warmup-steps", type=int, default=8)
+    e2e.add_argument("--e2e-prefill", type=int, default=2048, help="prompt tokens of the prefill row (one step)")
+    e2e.add_argument("--e2e-copy-mib", type=int, default=1024,
+                     help="copy yardstick size when the decode section has not measured one")
+    e2e.add_argument("--e2e-check-layers", type=int, default=2)
+    e2e.add_argument("--e2e-check-vocab", type=int, default=32000, help="at most this vocabulary in the check")
+    e2e.add_argument("--e2e-check-prompts", type=int, nargs="+", default=[150, 37, 300],
+                     help="prompt lengths of the check's sequences (the last one is prefilled over two steps)")
+    e2e.add_argument("--e2e-check-steps", type=int, default=6)
+    e2e.add_argument("--e2e-check-dtypes", nargs="+", choices=["float32", "bfloat16"],
+                     default=["float32", "bfloat16"])
