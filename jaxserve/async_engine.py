@@ -7,6 +7,8 @@
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.
+   If a step raises, every waiting request gets `EngineDeadError` and `on_failure` tells the server,
+   which exits non-zero: state on the device may be inconsistent, so a restart is the safe recovery.
 5. Multi-host: this runs on process 0 only; when the loop ends it releases the follower processes.
 """
 
@@ -16,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from jaxserve.engine import Engine, RequestOutput
 from jaxserve.engine_args import EngineArgs
@@ -41,6 +43,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        # Called (from the engine thread) once the engine has failed, after every waiter got its error:
+        # the server exits non-zero so a supervisor restarts it.
+        self.on_failure: Callable[[], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -73,6 +78,8 @@ class AsyncEngine:
             self.ready.set()
             for request_id in list(self._queues):
                 self._post(request_id, EngineDeadError(self.error))
+            if self.on_failure is not None:
+                self.on_failure()
         finally:
             if self.engine is not None and self.ready.is_set():
                 try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from jaxserve.engine_args import EngineArgs
@@ -21,7 +22,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs, help="decode slots")
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs, help="sequences running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--page-size", type=int, default=EngineArgs.page_size, help="tokens per KV page")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
@@ -57,6 +58,35 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=None, help="default: $JAX_PROCESS_ID")
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
+
+    g = parser.add_argument_group("HTTP server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
+                   help="JAX persistent compilation cache ('' to disable)")
+    g.add_argument("--shutdown-timeout", type=float, default=ServerOptions.shutdown_timeout,
+                   help="on SIGTERM, seconds running requests may finish before they are aborted")
+    g = parser.add_argument_group("security")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (or set $JAXSERVE_API_KEY)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins allowed by CORS, e.g. https://app.example.com ('*' for any); "
+                        "default: none")
+    g = parser.add_argument_group("request limits")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are read")
+    g.add_argument("--max-queued-requests", type=int, default=ServerOptions.max_queued_requests,
+                   help="requests that may wait beyond the running ones (--max-num-seqs); more get 429 "
+                        "with Retry-After. A list of prompts counts as that many requests")
+    g = parser.add_argument_group("chat templates")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="jinja chat template (a file, or the text itself) instead of the model's own")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests carry their own chat_template (it runs on the server: off by default)")
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
     if kwargs.get("token_buckets"):
@@ -90,9 +120,15 @@ def _serve(ns: argparse.Namespace) -> int:
         engine.warmup()
         engine.follow()
         return 0
-    from server.app import serve
-    serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir)
-    return 0
+    from server.options import ServerOptions, read_chat_template
+    from server.serve import serve
+    options = ServerOptions(
+        api_key=ns.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        allowed_origins=tuple(o.strip() for o in (ns.allowed_origins or "").split(",") if o.strip()),
+        max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
+        shutdown_timeout=ns.shutdown_timeout, chat_template=read_chat_template(ns.chat_template),
+        trust_request_chat_template=ns.trust_request_chat_template)
+    return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir, options=options)
 
 
 def _convert(ns: argparse.Namespace) -> int:
@@ -122,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
-                     help="JAX persistent compilation cache ('' to disable)")
+    add_server_args(srv)
     srv.set_defaults(func=_serve)
 
     conv = sub.add_parser("convert", help="write a Hugging Face checkpoint as an Orbax checkpoint that --model serves")
@@ -141,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OSError) as e:
         parser.exit(2, f"jaxserve: error: {e}\n")
 
 

@@ -183,6 +183,9 @@ class Engine:
                              f"(max_model_len) is {limit}: it must leave room for at least one new token")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
+        if params.top_k > vocab:
+            raise InvalidParameter("top_k", f"top_k must be at most the vocabulary size {vocab} (or -1 / 0 "
+                                   f"for no limit), got {params.top_k}")
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> str:

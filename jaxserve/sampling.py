@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from typing import Sequence
 
@@ -43,7 +44,11 @@ class SamplingParams:
     cache_salt: str | None = None
 
     def __post_init__(self):
-        if self.temperature is None or self.temperature < 0:
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidParameter(name, f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
             raise InvalidParameter("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidParameter("top_p", f"top_p must be in (0, 1], got {self.top_p}")
@@ -55,8 +60,8 @@ class SamplingParams:
             raise InvalidParameter("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise InvalidParameter("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise InvalidParameter("seed", f"seed must be a non-negative 64-bit integer, got {self.seed}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise InvalidParameter("seed", f"seed must be a 64-bit integer (signed or unsigned), got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
@@ -86,6 +91,7 @@ class SamplingArrays:
 
 
 def seed_words(seed: int) -> tuple[int, int]:
+    """The seed's 64 bits as (high, low) 32-bit words; a negative seed counts as its two's complement."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 

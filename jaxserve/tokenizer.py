@@ -6,7 +6,9 @@ How text moves through this layer:
    is prepended and what the chat template is). `Tokenizer.byte_level()` builds a file-free
    byte tokenizer for the demo model.
 2. `apply_chat_template` renders chat messages to one prompt string in a sandboxed jinja2
-   environment (templates ship with downloaded models, so they are untrusted code).
+   environment (templates ship with downloaded models, so they are untrusted code), with a time
+   limit and caps on what one operation or the whole output may grow to; any failure of the
+   template is a `ChatTemplateError` (a ValueError).
 3. `encode` turns the prompt into ids, with BOS exactly once.
 4. While the engine samples, one `IncrementalDetokenizer` per request turns each new id into
    the text that has just become final, never splitting a multi-byte UTF-8 character, at a
@@ -18,6 +20,9 @@ No JAX here: the server and tests use this without touching a device.
 from __future__ import annotations
 
 import json
+import operator
+import sys
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -25,11 +30,17 @@ from pathlib import Path
 from typing import Any
 
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 _REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+
+_LONG_TEXT = 4096  # characters from which encoding goes through encode_batch (see Tokenizer.encode)
+TEMPLATE_TIME_LIMIT = 2.0  # seconds a chat template may render for
+MAX_TEMPLATE_OUTPUT = 8 << 20  # characters a rendered prompt may have
+_MAX_REPEAT = 1 << 20  # elements or characters one `*` / `**` in a template may produce
+
 
 # HF writes int(1e30) as model_max_length when a model sets none; treat huge values as unset.
 _NO_MAX_LENGTH = 10**12
@@ -90,6 +101,7 @@ class Tokenizer:
 
         self.chat_template: str | None = chat_template
         self.model_max_length: int | None = model_max_length
+        self._max_token_chars: int | None = None
 
     # -- construction -------------------------------------------------------------------------
 
@@ -172,7 +184,12 @@ class Tokenizer:
     # -- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _LONG_TEXT:
+            # `encode_batch` releases the GIL while it works and `encode` does not: a long prompt tokenized
+            # on a server's worker thread would otherwise stall its event loop (and /health) throughout.
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if not add_special_tokens:
             return ids
         bos, eos = self.bos_token_id, self._eos_id
@@ -194,6 +211,15 @@ class Tokenizer:
                 ids = ids[:-1]
         return ids
 
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's string: no token covers more characters of a text than this (byte-level
+        vocabularies spell each byte as one character, so it bounds the decoded text as well)."""
+        if self._max_token_chars is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(1, max((len(t) for t in vocab), default=1))
+        return self._max_token_chars
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -209,23 +235,28 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        time_limit: float | None = TEMPLATE_TIME_LIMIT,
         **extra: Any,
     ) -> str:
         """Render messages to a prompt string (encode it with `encode`).
 
-        `extra` reaches the template as variables (e.g. tools=..., documents=...).
-        A template's raise_exception(msg) surfaces as ValueError(msg).
+        `extra` reaches the template as variables (e.g. tools=..., documents=...). Any failure — a
+        syntax error, a template's raise_exception(msg), a bad lookup, running past `time_limit`
+        seconds or the output caps — raises `ChatTemplateError` with a message for the client.
         """
         source = chat_template if chat_template is not None else self.chat_template
         if source is None:
             raise ValueError(f"tokenizer {self.name} has no chat template; pass chat_template=...")
-        return _compile_template(source).render(
-            messages=messages,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            add_generation_prompt=add_generation_prompt,
-            **extra,
-        )
+        try:
+            template = _compile_template(source)
+            variables = dict(messages=messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                             add_generation_prompt=add_generation_prompt, **extra)
+            return _render(template, variables, time_limit)
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, SecurityError, ValueError, TypeError, LookupError, AttributeError,
+                ArithmeticError, RecursionError) as e:
+            raise ChatTemplateError(f"{type(e).__name__}: {e}") from None
 
     def __repr__(self) -> str:
         return (
@@ -324,8 +355,12 @@ _BYTE_LEVEL_CHAT_TEMPLATE = (
 )
 
 
+class ChatTemplateError(ValueError):
+    """The chat template could not render these messages (the client's problem: a 400)."""
+
+
 def _raise_exception(message: str) -> None:
-    raise ValueError(message)
+    raise ChatTemplateError(message)
 
 
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
@@ -333,9 +368,51 @@ def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: b
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-# The same settings as transformers, so templates written for it render identically. Immutable
-# sandbox: a template cannot reach Python internals or mutate the messages it is given.
-_TEMPLATE_ENV = ImmutableSandboxedEnvironment(
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox (a template cannot reach Python internals or mutate the messages it is
+    given), plus limits on `*` and `**`: `'x' * 10**10` must fail, not allocate."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator_name: str, left, right):
+        if operator_name == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise SecurityError("exponent too large in a chat template")
+            return operator.pow(left, right)
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > _MAX_REPEAT:
+                raise SecurityError("a repetition in the chat template is too large")
+        return operator.mul(left, right)
+
+
+def _render(template: jinja2.Template, variables: dict, time_limit: float | None) -> str:
+    """Render with a deadline (checked on every line the compiled template runs, through a trace hook on
+    this thread only) and a cap on the output."""
+    deadline = None if time_limit is None else time.monotonic() + time_limit
+
+    def trace(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise ChatTemplateError(f"the chat template ran for more than {time_limit:g} s")
+        return trace
+
+    previous = sys.gettrace()
+    if deadline is not None:
+        sys.settrace(trace)
+    try:
+        pieces, size = [], 0
+        for piece in template.generate(**variables):
+            size += len(piece)
+            if size > MAX_TEMPLATE_OUTPUT:
+                raise ChatTemplateError(f"the rendered prompt exceeds {MAX_TEMPLATE_OUTPUT} characters")
+            pieces.append(piece)
+        return "".join(pieces)
+    finally:
+        if deadline is not None:
+            sys.settrace(previous)
+
+
+# The same settings as transformers, so templates written for it render identically.
+_TEMPLATE_ENV = _BoundedSandbox(
     trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
 )
 _TEMPLATE_ENV.globals["raise_exception"] = _raise_exception

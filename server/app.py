@@ -1,11 +1,17 @@
 """OpenAI-compatible HTTP API over the async engine (Starlette + uvicorn).
 
-1. A handler parses and validates the body (pydantic), resolves the model name, renders the chat
-   template, tokenizes and checks the context length — every failure a 4xx in OpenAI's error shape,
-   before anything is queued.
-2. It submits one engine request per prompt and either streams SSE chunks as text becomes final or
-   collects the results. A watcher aborts the requests as soon as the client disconnects.
-3. `/health` is 503 until warm-up has compiled every program; `/metrics` is Prometheus text.
+1. `guards.RequestGuard` has already checked the API key, the content type and the body size, and tagged
+   the request with an id (see that module).
+2. A handler admits the request against the queue limit (429 beyond it, 503 while shutting down), parses
+   the body (JSON, valid UTF-8 strings, pydantic ranges), renders the chat template and tokenizes — both
+   on a worker thread, so the event loop keeps answering — and checks the context length. Every failure
+   is a 4xx in OpenAI's error shape, before anything is queued.
+3. It submits one engine request per prompt and either streams SSE chunks as text becomes final or
+   collects the results. A watcher aborts the requests as soon as the client disconnects; `abort_all`
+   ends every running request with finish_reason "abort" (the end of the shutdown grace period).
+4. An unexpected failure is a 500 that says "internal error" and the request id, never the exception's
+   text, which goes to the log. `/health` is 503 until warm-up has compiled every program (and after
+   the engine failed); `/metrics` is Prometheus text; `/openapi.json` describes the routes.
 """
 
 from __future__ import annotations
@@ -14,22 +20,28 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
+import re
 import time
 import uuid
 from typing import AsyncIterator
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, TokenTimer
 from jaxserve.engine import RequestOutput
-from jaxserve.engine_args import EngineArgs
 from jaxserve.sampling import InvalidParameter
+from jaxserve.tokenizer import ChatTemplateError
+from server.guards import RequestGuard
 from server.metrics import Metrics
+from server.openapi import openapi_document
+from server.options import ServerOptions
 from server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from sharding import multihost
 
@@ -38,20 +50,34 @@ logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.body = status, error_body(message, type_, param, code)
+        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body, status_code=e.status)
+    return JSONResponse(e.body, status_code=e.status, headers=e.headers)
+
+
+def _internal_error(request_id: str) -> APIError:
+    return APIError(500, f"internal error (request id {request_id})", "server_error", code="internal_error")
+
+
+def _request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
 
 class OpenAIServer:
-    def __init__(self, async_engine: AsyncEngine):
+    def __init__(self, async_engine: AsyncEngine, options: ServerOptions = ServerOptions()):
         self.async_engine = async_engine
+        self.options = options
         self.metrics = Metrics(async_engine)
         self.created = int(time.time())
+        self.in_flight = 0  # engine requests this server has submitted (or is about to) and not seen finish
+        self.draining = False  # shutting down: no new requests
+        self._live: set[str] = set()  # ids of the engine requests now running, for abort_all
+        # Characters a text prompt may have before tokenizing it is pointless (see _prompt_fits).
+        self.max_prompt_chars: int | None = None
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -61,28 +87,58 @@ class OpenAIServer:
 
     def _require_ready(self) -> None:
         if self.async_engine.error:
-            raise APIError(503, f"engine failed: {self.async_engine.error}", "server_error")
+            raise APIError(503, "the engine failed; the server is restarting", "server_error",
+                           code="engine_failed")
         if not self.async_engine.ready.is_set():
             raise APIError(503, "the model is still loading and compiling; retry shortly", "server_error",
                            code="model_not_ready")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+
+    def _admit(self, n: int) -> None:
+        """Count n new engine requests against the queue limit (a prompt list counts each prompt)."""
+        limit = self.options.max_queued_requests
+        if limit is not None and self.in_flight + n > self.engine.scheduler_config.max_num_seqs + limit:
+            raise APIError(429, f"the server is at capacity ({self.in_flight} requests running or queued); "
+                                f"retry later", "rate_limit_error", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+        self.in_flight += n
 
     async def _parse(self, request: Request, schema):
+        raw = await request.body()  # already bounded by the guard
         try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(raw, dict):
+            data = json.loads(raw)
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, bad UTF-8, integers too long to convert
+            raise APIError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
+        if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
+        _check_strings(data)
         try:
-            body = schema.model_validate(raw)
+            body = schema.model_validate(data)
         except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+            # For a union field pydantic reports one error per alternative: the deepest says the most.
+            error = max(e.errors(), key=lambda err: len(err["loc"]))
+            param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
+            raise APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply") from None
         if body.model is not None and body.model != self.engine.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{self.engine.model_name}`", param="model", code="model_not_found")
         return body
+
+    def _prompt_fits(self, text: str, param: str = "prompt") -> None:
+        """Refuse, without tokenizing, a text that cannot fit the context: every token covers at most the
+        vocabulary's longest token string, so the text has at least len(text) / that many tokens."""
+        limit = self.engine.scheduler_config.max_model_len
+        if self.max_prompt_chars is None:
+            self.max_prompt_chars = limit * self.engine.tokenizer.max_token_chars
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the {param} has "
+                                f"{len(text)} characters, more than that many tokens can hold",
+                           param=param, code="context_length_exceeded")
 
     def _check_and_build(self, body, prompt_ids: list[list[int]]):
         """Context-length checks and SamplingParams per prompt; raises APIError before any submission."""
@@ -106,14 +162,34 @@ class OpenAIServer:
             params.append(p)
         return params
 
+    def _render_chat(self, body: ChatCompletionRequest) -> str:
+        """The chat prompt (worker thread): the request's template only if trusted, else the server's
+        (--chat-template), else the model's."""
+        if body.chat_template is not None and not self.options.trust_request_chat_template:
+            raise APIError(400, "request chat templates are disabled on this server (start it with "
+                                "--trust-request-chat-template to allow them)", param="chat_template")
+        template = body.chat_template or self.options.chat_template
+        extra = {"tools": body.tools} if body.tools else {}
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+                chat_template=template, time_limit=self.options.chat_template_timeout, **extra)
+        except ChatTemplateError as e:
+            raise APIError(400, f"chat template: {e}", param="messages", code="chat_template_error") from None
+        except ValueError as e:  # no template at all
+            raise APIError(400, f"chat template: {e}; start the server with --chat-template",
+                           param="messages") from None
+
     async def _results(self, request: Request, prompt_ids, params, texts) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run all prompts concurrently; yield (choice index, output) as outputs arrive. Aborts on disconnect."""
+        """Run all prompts concurrently; yield (choice index, output) as outputs arrive. Aborts on disconnect.
+        The caller has admitted len(prompt_ids) requests; they are released here when this generator ends."""
         base = uuid.uuid4().hex
         request_ids = [f"{base}-{i}" for i in range(len(prompt_ids))]
         merged: asyncio.Queue = asyncio.Queue()
         timers = [TokenTimer() for _ in prompt_ids]
         for ids in prompt_ids:
             self.metrics.prompt_tokens.inc(len(ids))
+        self._live.update(request_ids)
 
         def account(i: int, out: RequestOutput) -> None:
             timers[i].on_tokens(len(out.new_token_ids))
@@ -128,26 +204,24 @@ class OpenAIServer:
                 self.async_engine.abort(rid)
 
         watcher = asyncio.create_task(watch_disconnect())
-        if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
-            try:
+        pumps: list[asyncio.Task] = []
+        try:
+            if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
                 async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0]):
                     account(0, out)
                     yield 0, out
-            finally:
-                watcher.cancel()
-            return
+                return
 
-        async def pump(i: int):
-            try:
-                async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
-                    account(i, out)
-                    await merged.put((i, out))
-            except Exception as e:  # surfaced to the handler through the queue
-                await merged.put((i, e))
+            async def pump(i: int):
+                try:
+                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
+                        account(i, out)
+                        await merged.put((i, out))
+                except Exception as e:  # surfaced to the handler through the queue
+                    await merged.put((i, e))
 
-        pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
-        remaining = len(pumps)
-        try:
+            pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
+            remaining = len(pumps)
             while remaining:
                 i, item = await merged.get()
                 if isinstance(item, Exception):
@@ -159,6 +233,14 @@ class OpenAIServer:
             watcher.cancel()
             for task in pumps:
                 task.cancel()
+            self._live.difference_update(request_ids)
+            self.in_flight -= len(prompt_ids)
+
+    def abort_all(self) -> int:
+        """End every running request now (finish_reason "abort"); returns how many."""
+        for rid in list(self._live):
+            self.async_engine.abort(rid)
+        return len(self._live)
 
     # ---- routes -----------------------------------------------------------------------------------
 
@@ -184,19 +266,32 @@ class OpenAIServer:
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
     async def completions(self, request: Request) -> Response:
+        admitted = 0
         try:
             self._require_ready()
             body = await self._parse(request, CompletionRequest)
-            tok = self.engine.tokenizer
             prompts = body.prompts()
-            prompt_ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            self._admit(len(prompts))
+            admitted = len(prompts)
+            for p in prompts:
+                if isinstance(p, str):
+                    self._prompt_fits(p)
+            tok = self.engine.tokenizer
+            prompt_ids = await run_in_threadpool(
+                lambda: [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts])
             params = self._check_and_build(body, prompt_ids)
         except APIError as e:
+            self.in_flight -= admitted
             return _error_response(e)
+        except BaseException:
+            self.in_flight -= admitted
+            raise
         texts = [p if isinstance(p, str) else None for p in prompts]
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        envelope = {"id": cid, "object": "text_completion", "created": int(time.time()),
+        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                     "model": self.engine.model_name}
         results = self._results(request, prompt_ids, params, texts)
         usage = _Usage(prompt_ids)
@@ -210,38 +305,42 @@ class OpenAIServer:
                 if body.include_usage:
                     yield _sse({**envelope, "choices": [], "usage": usage.as_dict()})
                 yield "data: [DONE]\n\n"
-            return _event_stream(events())
+            return _event_stream(events(), _request_id(request))
+        finals = {}
         try:
-            finals = {}
             async for i, out in results:
                 usage.add(i, out)
                 if out.finished:
                     finals[i] = out.outputs[0]
-        except EngineDeadError as e:
-            return _error_response(APIError(500, str(e), "server_error"))
+        except EngineDeadError:
+            return _error_response(_internal_error(_request_id(request)))
         choices = [{"index": i, "text": finals[i].text, "logprobs": None, "finish_reason": finals[i].finish_reason}
                    for i in sorted(finals)]
         return JSONResponse({**envelope, "choices": choices, "usage": usage.as_dict()})
 
     async def chat_completions(self, request: Request) -> Response:
+        admitted = 0
         try:
             self._require_ready()
             body = await self._parse(request, ChatCompletionRequest)
-            tok = self.engine.tokenizer
-            extra = {"tools": body.tools} if body.tools else {}
-            try:
-                text = tok.apply_chat_template([m.for_template() for m in body.messages],
-                                               add_generation_prompt=body.add_generation_prompt,
-                                               chat_template=body.chat_template, **extra)
-            except ValueError as e:
-                raise APIError(400, f"chat template: {e}", param="messages") from None
+            self._admit(1)
+            admitted = 1
+            for i, m in enumerate(body.messages):
+                if isinstance(m.content, str):
+                    self._prompt_fits(m.content, f"messages.{i}.content")
+            text = await run_in_threadpool(self._render_chat, body)
+            self._prompt_fits(text, "messages")
             # The template writes any BOS itself; encode must not add a second one.
-            prompt_ids = [tok.encode(text, add_special_tokens=False)]
+            prompt_ids = [await run_in_threadpool(self.engine.tokenizer.encode, text, False)]
             params = self._check_and_build(body, prompt_ids)
         except APIError as e:
+            self.in_flight -= admitted
             return _error_response(e)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        envelope = {"id": cid, "created": int(time.time()), "model": self.engine.model_name}
+        except BaseException:
+            self.in_flight -= admitted
+            raise
+        envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                    "model": self.engine.model_name}
         results = self._results(request, prompt_ids, params, [text])
         usage = _Usage(prompt_ids)
         if body.stream:
@@ -261,18 +360,39 @@ class OpenAIServer:
                 if body.include_usage:
                     yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
                 yield "data: [DONE]\n\n"
-            return _event_stream(events())
+            return _event_stream(events(), _request_id(request))
         final = None
         try:
             async for i, out in results:
                 usage.add(i, out)
                 if out.finished:
                     final = out.outputs[0]
-        except EngineDeadError as e:
-            return _error_response(APIError(500, str(e), "server_error"))
+        except EngineDeadError:
+            return _error_response(_internal_error(_request_id(request)))
         return JSONResponse({**envelope, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": final.text},
             "logprobs": None, "finish_reason": final.finish_reason}], "usage": usage.as_dict()})
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
+
+
+def _check_strings(value, path: str = "") -> None:
+    """Every string in the body must be encodable UTF-8: JSON's \\ud800 escapes decode to lone surrogates,
+    which no tokenizer (and no response) can carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path or 'body'}: the string is not valid Unicode (a lone surrogate)",
+                           param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, path)
+            _check_strings(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_strings(item, f"{path}.{i}")
 
 
 class _Usage:
@@ -297,71 +417,51 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
     async def guarded():
         try:
             async for event in events:
                 yield event
-        except EngineDeadError as e:  # headers are gone: report in-band, as OpenAI streams do
-            yield _sse(error_body(str(e), "server_error"))
+        except Exception:  # headers are gone: report in-band, as OpenAI streams do, and end the stream
+            logger.exception("stream %s failed", request_id)
+            yield _sse(_internal_error(request_id).body)
             yield "data: [DONE]\n\n"
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_app(async_engine: AsyncEngine) -> Starlette:
-    api = OpenAIServer(async_engine)
+def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions()) -> Starlette:
+    api = OpenAIServer(async_engine, options)
 
     async def not_found(request: Request, exc) -> Response:
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", code="not_found"),
                             status_code=getattr(exc, "status_code", 404))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+        request_id = _request_id(request)
+        logger.exception("unhandled error on %s (request id %s)", request.url.path, request_id)
+        return _error_response(_internal_error(request_id))
 
+    middleware = [Middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes)]
+    if options.allowed_origins:  # outermost, so preflights are answered before authentication
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                                        allow_methods=["GET", "POST", "OPTIONS"],
+                                        allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                                        expose_headers=["X-Request-Id"]))
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        # uvicorn re-raises SIGTERM/SIGINT once it has shut down, so code after uvicorn.run may never run:
-        # stop the engine here, where a multi-host leader also releases its follower processes.
+        # Stop the engine with the app, where a multi-host leader also releases its follower processes.
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
         await asyncio.get_running_loop().run_in_executor(None, multihost.shutdown)
 
-    app = Starlette(lifespan=lifespan, routes=[
+    app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
     ], exception_handlers={404: not_found, 405: not_found, Exception: internal_error})
     app.state.api = api
     return app
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache, so a restart's warm-up loads programs instead of compiling."""
-    if not directory:
-        return
-    import jax
-    path = os.path.expanduser(directory)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    logger.info("persistent compilation cache: %s", path)
-
-
-def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000,
-          compilation_cache_dir: str | None = None) -> None:
-    import uvicorn
-
-    enable_compilation_cache(compilation_cache_dir)
-    async_engine = AsyncEngine(args)
-    async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
-    app = build_app(async_engine)
-    logger.info("serving on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)", host, port)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    finally:
-        async_engine.shutdown()

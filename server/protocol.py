@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies (pydantic) and the error shape.
 
 Validation happens here, before anything reaches the engine: a body that fails it is a 400 with
-`{"error": {"message", "type", "param", "code"}}`. Fields the engine does not support (n > 1, logprobs,
-echo, penalties other than 0) are rejected by name rather than silently ignored.
+`{"error": {"message", "type", "param", "code"}}`. Every field has a type and a range that the engine can
+hold (token ids and top_k are also checked against the model's vocabulary by the engine, which knows
+it); floats must be finite. Fields the engine does not support (n > 1, logprobs, echo, penalties other
+than 0) are rejected by name rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -14,31 +16,38 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from jaxserve.sampling import SamplingParams
 
 
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: each is searched for in the text after every token
+MAX_PROMPTS = 256  # prompts in one completion request (each also counts against the queue limit)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers usually do (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinities never pass: Python's JSON parser accepts them, the sampler must not see them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Any = None
     user: str | None = None
     # Extensions in vLLM's spelling
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # Prefix-cache isolation (vLLM's field): only requests with the same salt share cached KV pages.
@@ -68,8 +77,11 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _bounded_stop(cls, value):
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop sequences")
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         return value
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -85,7 +97,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: bool = False
     suffix: str | None = None
 
@@ -94,8 +106,10 @@ class CompletionRequest(_SamplingFields):
     def _non_empty(cls, prompt):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
-        if isinstance(prompt, list) and len(prompt) > 256 and not isinstance(prompt[0], int):
-            raise ValueError("at most 256 prompts per request")
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
+            raise ValueError("a prompt must not be an empty list of token ids")
         return prompt
 
     @field_validator("echo")
@@ -122,16 +136,22 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
+class TextPart(BaseModel):
+    """An OpenAI content part; a text model takes text parts only."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool calls, names etc. pass through to the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict:
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            # The OpenAI content-part form: keep the text parts, the only kind a text model can take.
-            data["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            data["content"] = "".join(part.text for part in self.content)
         return data
 
 

@@ -13,6 +13,7 @@ import uvicorn
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
+from server.options import ServerOptions
 
 
 def free_port() -> int:
@@ -35,19 +36,27 @@ def wait_healthy(base: str, timeout: float, still_alive=lambda: True) -> None:
     raise TimeoutError(f"{base} did not become healthy within {timeout}s")
 
 
+class Running(tuple):
+    """(base URL, AsyncEngine); `.api` is the app's OpenAIServer, for tests that look inside."""
+    api = None
+
+
 @contextlib.contextmanager
-def running_server(args: EngineArgs, ready_timeout: float = 300):
+def running_server(args: EngineArgs, ready_timeout: float = 300, options: ServerOptions = ServerOptions()):
     async_engine = AsyncEngine(args)
     async_engine.start()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine), host="127.0.0.1", port=port,
-                                           log_level="warning", timeout_graceful_shutdown=2))
+    app = build_app(async_engine, options)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, ready_timeout)
-        yield base, async_engine
+        running = Running((base, async_engine))
+        running.api = app.state.api
+        yield running
     finally:
         server.should_exit = True
         thread.join(10)

@@ -8,7 +8,7 @@ WARMUP_AND_COUNT_HITS = """
 import collections, sys, jax
 events = collections.Counter()
 jax.monitoring.register_event_listener(lambda event, **_: events.update([event.rsplit('/', 1)[-1]]))
-from server.app import enable_compilation_cache
+from server.serve import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
 from jaxserve import Engine, EngineArgs
 Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)).warmup()

@@ -12,6 +12,7 @@ import pytest
 
 from jaxserve.engine_args import EngineArgs
 from tests.page_checks import assert_pages_released
+from server.options import ServerOptions
 from tests.server_harness import running_server, scrape
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -20,7 +21,8 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 @pytest.fixture(scope="module")
 def server(stories_dir):
     args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=128)
-    with running_server(args) as (base, async_engine):
+    # stories260K has no chat template of its own: the server's (--chat-template) stands in.
+    with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as (base, async_engine):
         yield base, async_engine
 
 
@@ -48,7 +50,7 @@ def test_openai_client_completions(client, story_text):
 
 def test_openai_client_chat(client):
     kw = dict(model="stories260K", messages=[{"role": "user", "content": "Once upon a time"}], max_tokens=10,
-              temperature=0, extra_body={"chat_template": TEMPLATE})
+              temperature=0)
     out = client.chat.completions.create(**kw)
     plain = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant"
@@ -90,12 +92,14 @@ def test_bad_requests_get_openai_errors(server, body, status, param, code):
     assert not async_engine.engine.has_unfinished()
 
 
-def test_malformed_json_and_chat_without_template(server):
+def test_malformed_json_and_a_request_chat_template(server):
     base, _ = server
     r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    # A request may not bring its own template (it would run on the server) unless the server trusts them.
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "chat_template": TEMPLATE})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     r = httpx.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
 

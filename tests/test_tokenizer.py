@@ -7,12 +7,13 @@ ever holds half a UTF-8 character.
 
 import json
 import random
+import sys
+import time
 
-import jinja2.sandbox
 import pytest
 import tokenizers
 
-from jaxserve.tokenizer import Tokenizer, _compile_template
+from jaxserve.tokenizer import ChatTemplateError, Tokenizer, _compile_template
 
 FFFD = "\ufffd"
 ONCE = [1, 403, 407, 261, 378]  # "Once upon a time" with BOS
@@ -359,10 +360,22 @@ def test_chat_template_helpers(tok):
 
 
 def test_chat_template_is_sandboxed(tok):
-    with pytest.raises(jinja2.sandbox.SecurityError):
+    # Sandbox violations surface as ChatTemplateError (a ValueError: the server's 400) naming the cause.
+    with pytest.raises(ChatTemplateError, match="SecurityError: access to attribute"):
         tok.apply_chat_template([], chat_template="{{ ''.__class__.__mro__ }}")
-    with pytest.raises(jinja2.sandbox.SecurityError):  # immutable: templates cannot edit messages
+    with pytest.raises(ChatTemplateError, match="SecurityError"):  # immutable: templates cannot edit messages
         tok.apply_chat_template([{"role": "user"}], chat_template="{{ messages.append(1) }}")
+    with pytest.raises(ChatTemplateError, match="too large"):  # no gigabyte strings
+        tok.apply_chat_template([], chat_template="{{ 'x' * 10**9 }}")
+
+
+def test_chat_template_time_limit(tok):
+    slow = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    start = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match="more than 0.2 s"):
+        tok.apply_chat_template([], chat_template=slow, time_limit=0.2)
+    assert time.perf_counter() - start < 2
+    assert sys.gettrace() is None  # the deadline hook is gone again
 
 
 def test_no_chat_template(tok):

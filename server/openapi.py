@@ -1,0 +1,48 @@
+"""`/openapi.json`: the routes, described from the same pydantic models that validate the requests."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic.json_schema import models_json_schema
+
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+_ERROR = {"description": "OpenAI error JSON: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+
+
+def _post(summary: str, schema_ref: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": schema_ref}}}},
+        "responses": {"200": {"description": "the completion; `text/event-stream` chunks with \"stream\": true"},
+                      "400": _ERROR, "401": _ERROR, "404": _ERROR, "413": _ERROR, "415": _ERROR,
+                      "429": _ERROR, "503": _ERROR},
+    }}
+
+
+def _get(summary: str) -> dict:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}, "503": _ERROR}}}
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict:
+    refs, definitions = models_json_schema(
+        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+        ref_template="#/components/schemas/{model}")
+    ref = {model: refs[(model, "validation")]["$ref"] for model in (CompletionRequest, ChatCompletionRequest)}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxserve", "version": "0.1.0",
+                 "description": "OpenAI-compatible completions and chat completions"},
+        "paths": {
+            "/v1/completions": _post("Create a completion", ref[CompletionRequest]),
+            "/v1/chat/completions": _post("Create a chat completion", ref[ChatCompletionRequest]),
+            "/v1/models": _get("The served model"),
+            "/health": _get("200 once the model is loaded and compiled"),
+            "/metrics": _get("Prometheus metrics"),
+        },
+        "components": {"schemas": definitions.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }

@@ -1,0 +1,43 @@
+"""The server's own settings (the engine's are `EngineArgs`): security, limits, chat templates, shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far more than any prompt a model's context can hold as JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on every path but /health
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API; none by default
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Requests waiting for a slot beyond the running ones; more get 429 (None: no limit).
+    max_queued_requests: int | None = 256
+    shutdown_timeout: float = 30.0  # seconds running requests may finish after SIGTERM before being aborted
+    chat_template: str | None = None  # the server's template (text); default: the model's own
+    trust_request_chat_template: bool = False  # let a request carry its own `chat_template`
+    chat_template_timeout: float = 2.0  # seconds one template rendering may take
+
+    def __post_init__(self):
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's path, or the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    return value
