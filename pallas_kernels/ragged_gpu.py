@@ -154,17 +154,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
-      q: [tokens, num_heads, head_dim] queries, flat; sequence s owns rows cu_q_lens[s]..cu_q_lens[s+1]-1,
-        its last q_len tokens.
-      k_pages, v_pages: [num_kv_heads, num_pages, page_size, head_dim] one layer's cache, with this step's
-        K/V already written.
-      kv_lens: [num_seqs] int tokens in the cache per sequence, this step's included.
-      page_tables: [num_seqs, max_pages] int page ids per sequence (unused entries: the null page 0).
-      cu_q_lens: [num_seqs + 1] int non-decreasing row offsets; empty sequences are padding, and rows from
-        cu_q_lens[-1] on are padding tokens.
-      sm_scale: softmax scale (static).
-      soft_cap: optional static logit soft-cap (cap * tanh(s / cap)).
-      sliding_window: optional static window; keys with q_pos - k_pos < window are attended.
+      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window: as in
+        `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static here).
       block_q: query tokens per program (a power of 2; default: 32 rows of block_q x group, at least 16).
       pages_per_compute_block: pages per key block (default: ~128 keys, 64 for f32; at least 16 keys).
       num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).

@@ -98,36 +98,27 @@ def assert_healthy(server) -> None:
     assert_pages_released(async_engine.engine.scheduler)
 
 
-def test_fuzz_completions(server):
-    http = httpx.Client(base_url=server[0], timeout=60)
+def fuzz(server, route: str, strategy) -> None:
+    """Send EXAMPLES bodies drawn from `strategy` (dicts as JSON, bytes as they are) on one connection."""
     sent = []
+    with httpx.Client(base_url=server[0], timeout=60) as http:
+        @FUZZ
+        @given(body=strategy)
+        def run(body):
+            if isinstance(body, bytes):
+                check(http.post(route, content=body, headers={"Content-Type": "application/json"}))
+            else:
+                check(http.post(route, json=body))
+            sent.append(body)
 
-    @FUZZ
-    @given(body=bodies(COMPLETION, "prompt", cap_tokens=False) | st.binary(max_size=64))
-    def run(body):
-        if isinstance(body, bytes):
-            check(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}))
-        else:
-            check(http.post("/v1/completions", json=body))
-        sent.append(body)
-
-    with http:
         run()
     assert len(sent) >= EXAMPLES
     assert_healthy(server)
+
+
+def test_fuzz_completions(server):
+    fuzz(server, "/v1/completions", bodies(COMPLETION, "prompt", cap_tokens=False) | st.binary(max_size=64))
 
 
 def test_fuzz_chat_completions(server):
-    http = httpx.Client(base_url=server[0], timeout=60)
-    sent = []
-
-    @FUZZ
-    @given(body=bodies(CHAT, "messages", cap_tokens=True))
-    def run(body):
-        check(http.post("/v1/chat/completions", json=body))
-        sent.append(body)
-
-    with http:
-        run()
-    assert len(sent) >= EXAMPLES
-    assert_healthy(server)
+    fuzz(server, "/v1/chat/completions", bodies(CHAT, "messages", cap_tokens=True))
