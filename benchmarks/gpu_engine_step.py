@@ -118,8 +118,8 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
             out = {}
             for name, runner in runners.items():
                 chunks = [ScheduledChunk.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
-                samples, logits, rows = runner.run(chunks)
-                out[name] = (samples, np.asarray(logits[:rows[-1].stop], np.float64), rows)
+                step = runner.run(chunks)
+                out[name] = (step.samples, np.asarray(step.logits[:step.rows[-1].stop], np.float64), step.rows)
             (ref_s, ref_l, rows), (got_s, got_l, _) = out["reference"], out["kernel"]
             finite &= bool(np.isfinite(got_l).all() and np.isfinite(ref_l).all())
             diff2 += float(np.sum((got_l - ref_l) ** 2))

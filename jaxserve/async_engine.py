@@ -107,11 +107,13 @@ class AsyncEngine:
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs. ValueError (before anything is queued) on bad input."""
+        """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
+        choices are finished. ValueError (before anything is queued) on bad input."""
         if self.error:
             raise EngineDeadError(self.error)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
+        running = params.n
         finished = False
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt)
@@ -120,7 +122,8 @@ class AsyncEngine:
                 item = await q.get()
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
+                running -= item.finished
+                finished = running == 0
                 yield item
         finally:
             self._queues.pop(request_id, None)

@@ -158,6 +158,19 @@ class SchedulerConfig:
         return min(bucket, self.max_num_seqs)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """Fixed sizes of the per-sequence sampling inputs and outputs of a step."""
+    max_logprobs: int = 20  # top logprobs a request may ask for, per sampled and per prompt token
+    max_logit_bias: int = 128  # entries per sequence: logit_bias, allowed_token_ids, min_tokens' masked ids
+
+    def __post_init__(self):
+        if not 1 <= self.max_logprobs <= 1024:
+            raise ValueError(f"max_logprobs must be in [1, 1024], got {self.max_logprobs}")
+        if not 1 <= self.max_logit_bias <= 65536:
+            raise ValueError(f"max_logit_bias must be in [1, 65536], got {self.max_logit_bias}")
+
+
 def default_token_buckets(budget: int) -> tuple[int, ...]:
     """1, 2, 4, ... below the budget, then the budget itself."""
     buckets, b = [], 1

@@ -8,9 +8,11 @@
    token, detokenize incrementally, check stop conditions (EOS ids, stop_token_ids, stop strings,
    max_tokens, context length), free what finished. The host thus prepares step N+1 while the device
    runs step N; a token sampled for a request that finished meanwhile is discarded.
-3. It returns a `RequestOutput` per request that progressed, carrying what is new in this step (text
-   that became final, token ids) and, once the request is finished, the whole result. Nothing on the
-   way copies a request's whole output, so host work per step follows what changed.
+3. It returns a `RequestOutput` per choice that progressed, carrying what is new in this step (text
+   that became final, token ids, their log-probabilities when asked for) and, once the choice is
+   finished, the whole result. Nothing on the way copies a choice's whole output, so host work per step
+   follows what changed. A request with n choices is n scheduler requests: choice 0 prefills the
+   prompt, the others start from its pages (see the scheduler).
 4. Multi-host: only process 0 (the leader) schedules and steps; the other processes build the same
    engine and `follow` the leader's device steps (see `sharding/multihost.py`). `warmup` and each burst
    of leader steps end with `end_call`, which returns the followers from `follow`.
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
+from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput, logprob_entries
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Request, Scheduler, Status
@@ -40,34 +43,8 @@ from sharding import multihost
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the EOS/stop token id or stop string that ended it
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # the whole result, once finished; empty before
-    finished: bool
-    new_text: str = ""  # text that became final in this step (for streaming)
-    new_token_ids: list[int] = dataclasses.field(default_factory=list)
-    prompt: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
-    num_output_tokens: int = 0  # tokens generated so far
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason if self.outputs else None
-
-
 class _Tracked:
-    """Engine-side companions of a request: its detokenizer and stop-string state."""
+    """Engine-side companions of one choice: its detokenizer, stop-string and logprob state."""
 
     def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, prompt: str | None):
         self.request = request
@@ -76,6 +53,13 @@ class _Tracked:
         self.pieces: list[str] = []  # emitted text, stop strings excluded; joined once, at the end
         self.held = ""  # text withheld because it might be the start of a stop string
         self.stop_reason: int | str | None = None
+        params = request.params
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        # Choice 0 collects them (position 0 has none); they go out with its first event and its end.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
 
 
 class CompileCounter:
@@ -110,13 +94,15 @@ class Engine:
         self.model_name = built.name
         self.scheduler_config = built.scheduler_config
         self.cache_config = built.cache_config
+        self.sampler_config = built.sampler_config
         self.runner = ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config,
-                                  built.attention, built.dtype)
+                                  built.attention, built.dtype, built.sampler_config)
         self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
         self.plan = built.model.plan
         self.is_leader = multihost.is_leader()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, _Tracked] = {}  # by scheduler request id (one per choice)
+        self._choices: dict[str, list[str]] = {}  # request id -> its choices' scheduler request ids
         self._in_flight: StepOutput | None = None  # the dispatched step whose samples are not read yet
         self.compilations_at_warmup: int | None = None
         self.stats = EngineStats()
@@ -181,29 +167,59 @@ class Engine:
         if len(prompt_ids) >= limit:
             raise InvalidParameter("prompt", f"prompt has {len(prompt_ids)} tokens but the model's context length "
                              f"(max_model_len) is {limit}: it must leave room for at least one new token")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidParameter("stop_token_ids", f"stop_token_ids must be token ids in [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidParameter(name, f"{name} must be token ids in [0, {vocab})")
         if params.top_k > vocab:
             raise InvalidParameter("top_k", f"top_k must be at most the vocabulary size {vocab} (or -1 / 0 "
                                    f"for no limit), got {params.top_k}")
+        most = self.sampler_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > most:
+                raise InvalidParameter(name, f"{name} may be at most {most} (--max-logprobs)")
+        entries = len(set(params.logit_bias or ()) | set(params.allowed_token_ids or ()))
+        if params.min_tokens:
+            entries += len(self._suppressed_ids(params))
+        if entries > self.sampler_config.max_logit_bias:
+            raise InvalidParameter("logit_bias" if params.logit_bias else "allowed_token_ids",
+                                   f"{entries} logit_bias / allowed_token_ids entries (with min_tokens: plus the "
+                                   f"EOS and stop tokens) exceed --max-logit-bias "
+                                   f"{self.sampler_config.max_logit_bias}")
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise InvalidParameter("n", f"n may be at most --max-num-seqs ({self.scheduler_config.max_num_seqs})")
+
+    def _suppressed_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """What min_tokens masks: the EOS tokens (unless ignored) and the stop tokens."""
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None) -> str:
-        """Validate and queue a request (thread-safe). Returns its id."""
+        """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
+        `index` 0..n-1 under this one id. Returns the id."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         max_len = self.scheduler_config.max_model_len
         if params.max_tokens is not None:
             max_len = min(max_len, len(prompt_ids) + params.max_tokens)
-        request = Request(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                          seed=params.resolved_seed(), max_len=max_len)
-        detokenizer = self.tokenizer.new_detokenizer(prompt_ids, skip_special_tokens=params.skip_special_tokens)
-        self._inbox.put(("add", _Tracked(request, detokenizer, prompt)))
+        seed = params.resolved_seed()
+        later = dataclasses.replace(params, prompt_logprobs=None) if params.n > 1 else params
+        choices = []
+        for j in range(params.n):
+            # Each choice draws with its own seed: seed, seed + 1, ... (reproducible, and distinct).
+            choice = Request(request_id=request_id if j == 0 else f"{request_id}#{j}", prompt_ids=prompt_ids,
+                             params=params if j == 0 else later, seed=(seed + j) % 2**64, max_len=max_len,
+                             choice=j, suppress_ids=self._suppressed_ids(params))
+            choices.append(_Tracked(choice, self.tokenizer.new_detokenizer(
+                prompt_ids, skip_special_tokens=params.skip_special_tokens), prompt))
+        choices[0].request.forks = [t.request for t in choices[1:]]
+        self._inbox.put(("add", (request_id, choices)))
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe); its slot and pages are freed at the next step."""
+        """Abort a request, every choice of it (thread-safe); slots and pages are freed at the next step."""
         self._inbox.put(("abort", (request_id, self.step_count)))
 
     def reset_prefix_cache(self) -> int:
@@ -222,15 +238,21 @@ class Engine:
             except queue.Empty:
                 return outputs
             if kind == "add":
-                self._tracked[item.request.request_id] = item
-                self.scheduler.add(item.request)
+                request_id, choices = item
+                self._choices[request_id] = [t.request.request_id for t in choices]
+                for tracked in choices:
+                    self._tracked[tracked.request.request_id] = tracked
+                self.scheduler.add(choices[0].request)  # the other choices follow its prefill
             else:
                 request_id, asked_at_step = item
-                tracked = self._tracked.get(request_id)
-                if tracked is not None:
-                    self._finish(tracked, "abort")
+                choices = self._choices.get(request_id, [])
+                for key in choices:
+                    tracked = self._tracked.get(key)
+                    if tracked is not None:
+                        self._finish(tracked, "abort")
+                        outputs.append(self._output(tracked, "", []))
+                if choices:
                     self.abort_latencies.append(self.step_count - asked_at_step)
-                    outputs.append(self._output(tracked, "", []))
 
     # ---- the iteration ------------------------------------------------------------------------------
 
@@ -253,16 +275,47 @@ class Engine:
 
     def _process(self, done: StepOutput) -> list[RequestOutput]:
         tokens = done.tokens()
-        outputs = []
-        for row, chunk in enumerate(done.plan.chunks):
+        chunks = done.plan.chunks
+        wants = any((c.samples and c.request.params.logprobs is not None)
+                    or (c.is_prefill and c.request.params.prompt_logprobs is not None) for c in chunks)
+        results = done.logprobs() if wants else None
+        outputs, first_row = [], 0
+        for row, chunk in enumerate(chunks):
+            tracked = self._tracked.get(chunk.request.request_id)
+            if results is not None and tracked is not None and tracked.prompt_logprobs is not None \
+                    and chunk.is_prefill and chunk.epoch == chunk.request.epoch:
+                self._record_prompt_logprobs(tracked, chunk, first_row, results)
+            first_row += chunk.num_tokens
             if chunk.samples:
                 token = int(tokens[row])
                 if self.scheduler.accept_token(chunk, token):
-                    outputs.append(self._advance(self._tracked[chunk.request.request_id], token))
+                    entry = None
+                    k = chunk.request.params.logprobs
+                    if k is not None:
+                        entry = logprob_entries(token, results.sample_logprob[row], results.sample_rank[row],
+                                                results.top_ids[row], results.top_logprobs[row], k,
+                                                self.tokenizer.token_str)
+                    outputs.append(self._advance(tracked, token, entry))
         return outputs
 
-    def _advance(self, tracked: _Tracked, token: int) -> RequestOutput:
+    def _record_prompt_logprobs(self, tracked: _Tracked, chunk, first_row: int, results) -> None:
+        """Row r of the chunk holds the distribution of the prompt token after position start + r."""
+        request, k = tracked.request, chunk.request.params.prompt_logprobs
+        for r in range(chunk.num_tokens):
+            position = chunk.start + r + 1
+            if position >= request.num_prompt_tokens:
+                break
+            if position == len(tracked.prompt_logprobs):  # recomputed rows (after a preemption) are known
+                i = first_row + r
+                tracked.prompt_logprobs.append(logprob_entries(
+                    request.token_ids[position], results.prompt_logprob[i], results.prompt_rank[i],
+                    results.prompt_top_ids[i], results.prompt_top_logprobs[i], k, self.tokenizer.token_str))
+
+    def _advance(self, tracked: _Tracked, token: int, entry: PositionLogprobs | None = None) -> RequestOutput:
         request = tracked.request
+        if entry is not None:
+            tracked.logprobs.append(entry)
+            tracked.cumulative_logprob += entry[token].logprob
         params = request.params
         self.stats.generation_tokens += 1
         finish_reason = None
@@ -281,7 +334,7 @@ class Engine:
             finish_reason = "stop"  # a stop string matched
         if finish_reason is not None:
             self._finish(tracked, finish_reason)
-        return self._output(tracked, new_text, [token])
+        return self._output(tracked, new_text, [token], None if entry is None else [entry])
 
     def _apply_stop_strings(self, tracked: _Tracked, piece: str, final: bool) -> str:
         """Append `piece`, cutting at the first stop string; hold back a possible stop-string prefix."""
@@ -293,7 +346,8 @@ class Engine:
         hits = [(pending.find(s), s) for s in stops if s in pending]
         if hits:
             cut, stop = min(hits)
-            emitted, tracked.held, tracked.stop_reason = pending[:cut], "", stop
+            end = cut + len(stop) if tracked.request.params.include_stop_str_in_output else cut
+            emitted, tracked.held, tracked.stop_reason = pending[:end], "", stop
         elif final:
             emitted, tracked.held = pending, ""
         else:
@@ -306,21 +360,38 @@ class Engine:
         return emitted
 
     def _finish(self, tracked: _Tracked, reason: str) -> None:
-        self.scheduler.finish(tracked.request, reason)
-        del self._tracked[tracked.request.request_id]
+        request = tracked.request
+        self.scheduler.finish(request, reason)
+        del self._tracked[request.request_id]
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        owner = self._owner(request)
+        if all(key not in self._tracked for key in self._choices.get(owner, ())):
+            self._choices.pop(owner, None)
 
-    def _output(self, tracked: _Tracked, new_text: str, new_token_ids: list[int]) -> RequestOutput:
+    @staticmethod
+    def _owner(request: Request) -> str:
+        """The id the caller gave (choice j > 0 is scheduled as `id#j`)."""
+        return request.request_id.rsplit("#", 1)[0] if request.choice else request.request_id
+
+    def _output(self, tracked: _Tracked, new_text: str, new_token_ids: list[int],
+                new_logprobs: list[PositionLogprobs] | None = None) -> RequestOutput:
         r = tracked.request
         finished = r.status is Status.FINISHED
         outputs = []
         if finished:  # the whole result, assembled once
-            outputs.append(CompletionOutput(index=0, text="".join(tracked.pieces), token_ids=r.output_ids,
-                                            finish_reason=r.finish_reason, stop_reason=tracked.stop_reason))
-        return RequestOutput(request_id=r.request_id, prompt_token_ids=r.prompt_ids, outputs=outputs,
+            outputs.append(CompletionOutput(index=r.choice, text="".join(tracked.pieces), token_ids=r.output_ids,
+                                            finish_reason=r.finish_reason, stop_reason=tracked.stop_reason,
+                                            logprobs=tracked.logprobs,
+                                            cumulative_logprob=None if tracked.logprobs is None
+                                            else tracked.cumulative_logprob))
+        prompt_logprobs = None
+        if tracked.prompt_logprobs is not None and (finished or not tracked.prompt_logprobs_sent):
+            prompt_logprobs, tracked.prompt_logprobs_sent = tracked.prompt_logprobs, True
+        return RequestOutput(request_id=self._owner(r), prompt_token_ids=r.prompt_ids, outputs=outputs,
                              finished=finished, new_text=new_text, new_token_ids=new_token_ids,
-                             prompt=tracked.prompt, num_cached_tokens=r.num_cached_tokens or 0,
-                             num_output_tokens=r.num_output_tokens)
+                             new_logprobs=new_logprobs, prompt=tracked.prompt,
+                             num_cached_tokens=r.num_cached_tokens or 0, num_output_tokens=r.num_output_tokens,
+                             index=r.choice, prompt_logprobs=prompt_logprobs)
 
 
 @dataclasses.dataclass

@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
 import jax
 
-from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.kv_budget import resolve_kv_budget
 from jaxserve.sharded_model import ShardedModel, load_sharded, shard_module
 from jaxserve.tokenizer import Tokenizer
@@ -53,6 +54,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     attention_backend: str = "auto"
+    max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
+    max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
     tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # pipeline stages (contiguous blocks of layers)
@@ -88,6 +91,27 @@ class BuiltModel:
     attention: AttentionBackend
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
+    sampler_config: SamplerConfig
+
+
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model_dir: str | None, mode: str = "auto") -> dict:
+    """Sampling defaults for requests that leave a field unset. `auto` (vLLM's default): what the model's
+    generation_config.json sets of temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens
+    (as max_tokens); `vllm`: none (the engine's neutral defaults)."""
+    if mode not in ("auto", "vllm"):
+        raise ValueError(f"generation_config must be 'auto' or 'vllm', got {mode!r}")
+    path = Path(model_dir) / "generation_config.json" if model_dir else None
+    if mode == "vllm" or path is None or not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    defaults = {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items() if config.get(theirs) is not None}
+    if defaults:
+        logger.info("sampling defaults from %s: %s", path, defaults)
+    return defaults
 
 
 def default_token_budget(max_num_seqs: int, platform: str) -> int:
@@ -152,4 +176,6 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
                       tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
                       cache_config=CacheConfig(page_size=args.page_size, num_pages=budget.num_pages,
-                                               enable_prefix_caching=args.enable_prefix_caching))
+                                               enable_prefix_caching=args.enable_prefix_caching),
+                      sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
+                                                   max_logit_bias=args.max_logit_bias))

@@ -10,12 +10,13 @@ call and returns an empty list.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm.auto import tqdm
 
 from jaxserve.engine import Engine, RequestOutput
-from jaxserve.engine_args import EngineArgs
+from jaxserve.engine_args import EngineArgs, sampling_defaults
 from jaxserve.sampling import SamplingParams
 
 
@@ -28,6 +29,12 @@ class LLM:
         pipeline_parallel_size, distributed_coordinator, num_processes, process_id."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
+        self._defaults = sampling_defaults(model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the model's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), else the engine's defaults."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -54,7 +61,7 @@ class LLM:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -65,7 +72,8 @@ class LLM:
         for (_, ids), params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
         return self._run([self.engine.add_request(ids, params, prompt=text)
-                          for (text, ids), params in zip(encoded, sampling_params)], use_tqdm)
+                          for (text, ids), params in zip(encoded, sampling_params)],
+                         [params.n for params in sampling_params], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -84,12 +92,27 @@ class LLM:
             raise
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], choices: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every choice of every request is finished; one RequestOutput per request, its
+        `outputs` holding every choice in index order (vLLM's shape)."""
+        done: dict[str, list[RequestOutput]] = {i: [] for i in request_ids}
+        prompt_logprobs: dict[str, list] = {}
         with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
-            while len(final) < len(request_ids):
+            remaining = len(request_ids)
+            while remaining:
                 for output in self.engine.step():
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[output.request_id] = output.prompt_logprobs
                     if output.finished:
-                        final[output.request_id] = output
-                        bar.update()
-        return [final[i] for i in request_ids]
+                        finals = done[output.request_id]
+                        finals.append(output)
+                        if len(finals) == choices[request_ids.index(output.request_id)]:
+                            remaining -= 1
+                            bar.update()
+        results = []
+        for request_id in request_ids:
+            finals = sorted(done[request_id], key=lambda o: o.index)
+            result = dataclasses.replace(finals[0], outputs=[o.outputs[0] for o in finals], index=0,
+                                         prompt_logprobs=prompt_logprobs.get(request_id))
+            results.append(result)
+        return results

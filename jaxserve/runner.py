@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.batch import BatchBuilder, BatchLayout, StepBatch
-from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.kv_cache import NULL_PAGE, KVCache, pages_needed
+from jaxserve.logits import SamplerState, process, record_tokens, token_logprobs
 from jaxserve.sampling import sample
 from jaxserve.scheduler import ScheduledChunk, StepPlan
 from jaxserve.sharded_model import ShardedModel
@@ -45,16 +46,44 @@ from sharding.rules import kv_cache_spec
 logger = logging.getLogger(__name__)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepResults:
+    """What one step returns besides the cache (R = max_num_seqs sample rows, T = the token bucket)."""
+    samples: jax.Array  # [R] int32: row i is the token sampled for chunk i of the plan
+    sample_logprob: jax.Array  # [R] float32 raw logprob of that token (rows that asked for logprobs)
+    sample_rank: jax.Array  # [R] int32 its rank, 1 = the most likely
+    top_ids: jax.Array  # [R, K] int32 the K most likely tokens
+    top_logprobs: jax.Array  # [R, K] float32 their logprobs
+    prompt_logprob: jax.Array  # [T] float32 logprob of each row's `prompt_target` (prompt logprobs)
+    prompt_rank: jax.Array  # [T] int32
+    prompt_top_ids: jax.Array  # [T, K] int32
+    prompt_top_logprobs: jax.Array  # [T, K] float32
+
+
+@dataclasses.dataclass
+class ManualStep:
+    """`ModelRunner.run`'s answer, on the host."""
+    samples: np.ndarray  # [chunks] the token sampled after each chunk
+    logits: np.ndarray  # [tokens, vocab] float32, every row's
+    rows: list[slice]  # each chunk's rows of `logits`
+    results: StepResults  # everything else the step returned (logprobs), as numpy
+
+
 @dataclasses.dataclass
 class StepOutput:
     """A dispatched step's results, still on the device."""
     plan: StepPlan | None
-    samples: jax.Array  # [max_num_seqs] int32: row i is the token sampled for chunk i of the plan
+    results: StepResults
     logits: jax.Array | None  # [tokens, vocab] float32, when asked for
 
     def tokens(self) -> np.ndarray:
         """Block until the step is done and return its samples on the host."""
-        return _host(self.samples)
+        return _host(self.results.samples)
+
+    def logprobs(self) -> StepResults:
+        """Every result on the host (numpy); only fetched when some chunk asked for logprobs."""
+        return jax.tree.map(_host, self.results)
 
     def all_logits(self) -> np.ndarray:
         return _host(self.logits)
@@ -62,8 +91,10 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype):
+                 scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
+                 sampler_config: SamplerConfig = SamplerConfig()):
         self.model_config = model_config
+        self.sampler_config = sampler_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.attention = attention
@@ -75,8 +106,8 @@ class ModelRunner:
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         self._param_leaves = tuple(self._param_leaves)
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
-        self.layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq)
-                        for b in scheduler_config.token_buckets}
+        self.layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
+                                       sampler_config.max_logit_bias) for b in scheduler_config.token_buckets}
         self.builder = BatchBuilder(scheduler_config.max_num_seqs, self.max_pages_per_seq, cache_config.page_size)
         self.channel = StepChannel()
         self.kv_cache = self._new_kv_cache()
@@ -84,26 +115,31 @@ class ModelRunner:
         rep = plan.replicated
         self._no_samples = jax.device_put(np.zeros(scheduler_config.max_num_seqs, np.int32), rep)
         self._prev_samples = self._no_samples
+        # Per slot (and one scratch row for padding): see jaxserve/logits.py.
+        state_shape = (scheduler_config.max_num_seqs + 1, model_config.vocab_size)
+        self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
+        state_sharding = jax.tree.map(lambda a: a.sharding, self.sampler_state)
 
         kv_sharding = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         kv_specs = jax.tree.map(lambda a: a.sharding.spec, self.kv_cache)
         step_kwargs = dict(graphdef=self.graphdef, attention=attention, config=model_config, pp=plan.pp,
-                           num_samples=scheduler_config.max_num_seqs)
+                           num_samples=scheduler_config.max_num_seqs, top=sampler_config.max_logprobs)
 
-        def step(param_leaves, kv_cache, prev_samples, ints, floats, layout, with_logits):
+        def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, layout, with_logits):
             # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
             # then computed identically on every device); we do not ask JAX to prove it per value.
             local = functools.partial(_step_local, **step_kwargs, layout=layout, with_logits=with_logits)
             params = jax.tree.unflatten(param_tree, param_leaves)
-            return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P()),
-                                 out_specs=(kv_specs, P(), P()), check_vma=False)(params, kv_cache, prev_samples,
-                                                                                  ints, floats)
+            return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P(), P()),
+                                 out_specs=(kv_specs, P(), P(), P()), check_vma=False)(
+                params, kv_cache, sampler_state, prev_samples, ints, floats)
 
         # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
-        # with in_shardings.
-        self._step = jax.jit(step, static_argnums=(5, 6), donate_argnums=(1,),
-                             in_shardings=(tuple(a.sharding for a in self._param_leaves), kv_sharding, rep, rep, rep),
-                             out_shardings=(kv_sharding, rep, rep))
+        # with in_shardings. The cache and the sampler state are donated: updated in place.
+        self._step = jax.jit(step, static_argnums=(6, 7), donate_argnums=(1, 2),
+                             in_shardings=(tuple(a.sharding for a in self._param_leaves), kv_sharding,
+                                           state_sharding, rep, rep, rep),
+                             out_shardings=(kv_sharding, state_sharding, rep, rep))
 
     def _new_kv_cache(self) -> KVCache:
         """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim], created in place."""
@@ -133,19 +169,21 @@ class ModelRunner:
 
     def _dispatch(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
                   with_logits: bool) -> StepOutput:
-        self.kv_cache, samples, logits = self._step(self._param_leaves, self.kv_cache, self._prev_samples, ints, floats,
-                                                    layout, with_logits)
-        self._prev_samples = samples
-        samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
-        return StepOutput(plan, samples, logits)
+        self.kv_cache, self.sampler_state, results, logits = self._step(
+            self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, layout,
+            with_logits)
+        self._prev_samples = results.samples
+        results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
+        return StepOutput(plan, results, logits)
 
-    def run(self, chunks: list[ScheduledChunk]) -> tuple[np.ndarray, np.ndarray, list[slice]]:
-        """One step with every row's logits, waited for (research, tests): (the token sampled after each
-        chunk [n], logits [tokens, vocab], the rows of each chunk). Not while the engine has requests
-        running: their next step would read this step's samples as their pending tokens."""
+    def run(self, chunks: list[ScheduledChunk]) -> ManualStep:
+        """One step with every row's logits, waited for (research, tests). Not while the engine has
+        requests running: their next step would read this step's samples as their pending tokens."""
         out = self.launch(StepPlan(chunks, sum(c.num_tokens for c in chunks)), with_logits=True)
         bounds = np.cumsum([0] + [c.num_tokens for c in chunks])
-        return out.tokens()[:len(chunks)], out.all_logits(), [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        results = out.logprobs()
+        return ManualStep(results.samples[:len(chunks)], out.all_logits(),
+                          [slice(a, b) for a, b in zip(bounds, bounds[1:])], results)
 
     # ---- multi-host ---------------------------------------------------------------------------------
 
@@ -163,7 +201,7 @@ class ModelRunner:
             if kind != STEP:
                 raise RuntimeError(f"unknown step kind {kind} from the leader")
             layout = self.layouts[tokens]
-            ints, floats = self.channel.receive_batch(layout.empty())
+            ints, floats = self.channel.receive_batch(layout.empty(self.builder.scratch_slot))
             self._dispatch(None, layout, np.asarray(ints), np.asarray(floats), bool(flag))
             steps += 1
 
@@ -174,7 +212,7 @@ class ModelRunner:
         with tqdm(total=len(layouts), desc="Compiling", unit="program") as bar:
             for layout in layouts:
                 # No sequences: every token writes to the null page, so real cache pages stay untouched.
-                self._lead(None, layout, *layout.empty(), with_logits=False).tokens()
+                self._lead(None, layout, *layout.empty(self.builder.scratch_slot), with_logits=False).tokens()
                 bar.update()
         self._prev_samples = self._no_samples
         elapsed = time.perf_counter() - start
@@ -203,17 +241,22 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, write_index, NULL_PAGE)
 
 
-def _step_local(params, kv_cache: KVCache, prev_samples, ints, floats, *, graphdef, attention, config, pp,
-                num_samples: int, layout: BatchLayout, with_logits: bool):
+def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, *, graphdef,
+                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(ints, floats)
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
     tokens = jnp.where(batch.from_prev >= 0, prev_samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
     num_tokens = layout.tokens
+    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right") - 1, 0,
+                            layout.seqs - 1)
+    p = batch.processing
+    sampler_state = record_tokens(sampler_state, p.slots, p.fresh, p.slots[seq_of_token], tokens,
+                                  batch.token_kind)
     m = num_microbatches(num_tokens, pp)
     size = num_tokens // m
     split = lambda a: a.reshape(m, size)
-    tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
+    micro_tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
 
     def stage(x, micro, valid, kv):
         cos, sin = model.rope(positions[micro])
@@ -225,9 +268,23 @@ def _step_local(params, kv_cache: KVCache, prev_samples, ints, floats, *, graphd
 
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
 
-    hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(tokens[i], TP_AXES), m, kv_cache, pp)
+    hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
-    samples = sample(model.logits(hidden[batch.sample_index], TP_AXES), batch.sampling)
-    samples = jnp.zeros(num_samples, jnp.int32).at[:layout.seqs].set(samples)
+    raw = model.logits(hidden[batch.sample_index], TP_AXES)
+    samples = sample(process(raw, sampler_state, p), batch.sampling)
+    sample_lp = _maybe_logprobs(jnp.any(batch.logprobs >= 0), lambda: raw, samples, top)
+    targets = batch.prompt_target
+    prompt_lp = _maybe_logprobs(jnp.any(targets >= 0), lambda: model.logits(hidden, TP_AXES),
+                                jnp.maximum(targets, 0), top)
+    pad = lambda a: jnp.zeros((num_samples,) + a.shape[1:], a.dtype).at[:layout.seqs].set(a)
+    results = StepResults(pad(samples), *map(pad, sample_lp), *prompt_lp)
     logits = model.logits(hidden, TP_AXES) if with_logits else None
-    return kv_cache, samples, logits
+    return kv_cache, sampler_state, results, logits
+
+
+def _maybe_logprobs(wanted, logits_fn, chosen, top: int):
+    """`token_logprobs` of the logits `logits_fn` gives, computed only when some row wants them (zeros else)."""
+    rows = chosen.shape[0]
+    skipped = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, top), jnp.int32),
+               jnp.zeros((rows, top), jnp.float32))
+    return jax.lax.cond(wanted, lambda: token_logprobs(logits_fn(), chosen, top), lambda: skipped)

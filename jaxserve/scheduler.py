@@ -4,7 +4,9 @@
    prefill (prompt, plus any tokens it generated before a preemption) can be allocated. With prefix
    caching, the longest cached run of full pages of those tokens is shared instead of allocated, and
    prefill starts after it. The hit stops short of the last token: its logits are needed to sample, so
-   at least that token is always computed, in a page of its own request.
+   at least that token is always computed, in a page of its own request. The other choices of an n > 1
+   request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
+   reference each) and compute only the rest of the prompt, whose last token each samples itself.
 2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`): first
    one token for every decoding sequence (each gets the page that token goes to; when none is free the
    newest running request is preempted and will be recomputed), then prefill chunks of as many
@@ -66,6 +68,14 @@ class Request:
     num_registered: int = 0  # leading pages whose keys the cache has seen since the last admission
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
+    admitted_at: int = 0  # num_computed right after the last admission: where its first chunk starts
+    suppress_ids: tuple[int, ...] = ()  # EOS and stop tokens: masked while fewer than min_tokens are out
+    bias_table: tuple | None = None  # (ids, values, kinds) of its static bias entries, built by the batch
+    # Choices 1..n-1 of an n > 1 request, forked from this one (choice 0) once its prompt is prefilled;
+    # `shared_pages` are the prompt pages a forked choice starts from (acquired for it at the fork).
+    choice: int = 0
+    forks: list["Request"] = dataclasses.field(default_factory=list)
+    shared_pages: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -115,6 +125,7 @@ class ScheduledChunk:
     sample_step: int  # index among the request's outputs of the token sampled after this chunk; -1 = none
     epoch: int
     is_prefill: bool
+    first: bool = False  # the request's first chunk since its (re)admission: its sampler state starts over
 
     @property
     def samples(self) -> bool:
@@ -126,10 +137,12 @@ class ScheduledChunk:
         """A chunk for a sequence no scheduler manages (research, tests): `token_ids` at positions
         start.. of the sequence whose K/V lives in `pages`, using page-table row `slot`; the token after
         them is sampled (greedy unless `params` say otherwise)."""
-        request = Request(f"slot{slot}", list(token_ids), params or SamplingParams(temperature=0, max_tokens=None),
-                          seed=seed, max_len=start + len(token_ids) + 1)
+        # Positions before `start` are already in the cache; their ids do not matter here.
+        request = Request(f"slot{slot}", [0] * start + list(token_ids),
+                          params or SamplingParams(temperature=0, max_tokens=None), seed=seed,
+                          max_len=start + len(token_ids) + 1)
         request.status, request.slot, request.pages = Status.RUNNING, slot, list(pages)
-        return cls(request, start, len(token_ids), list(token_ids), -1, 0, request.epoch, True)
+        return cls(request, start, len(token_ids), list(token_ids), -1, 0, request.epoch, True, first=True)
 
 
 @dataclasses.dataclass
@@ -214,10 +227,12 @@ class Scheduler:
         last = start + n == request.prefill_target
         chunk = ScheduledChunk(request, start, n, request.token_ids[start:start + n], -1,
                                request.num_tokens - request.num_prompt_tokens if last else -1, request.epoch,
-                               True)
+                               True, first=start == request.admitted_at)
         request.num_computed += n
         if last:
             self._mark_sampled(request, row)
+            if request.forks:
+                self._fork(request)
         return chunk
 
     @staticmethod
@@ -229,32 +244,49 @@ class Scheduler:
         while self.waiting and None in self.slots:
             request = self.waiting[0]
             target = len(request.token_ids)
-            hits = self._cached_prefix(request, target)
+            forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
+            hits = request.shared_pages if forked else self._cached_prefix(request, target)
             fresh = pages_needed(target, self.page_size) - len(hits)
             # Idle hit pages count as free until acquired: they must not also pay for the fresh pages.
-            idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits else 0
+            idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits and not forked else 0
             if not self.allocator.can_allocate(fresh + idle_hits):
                 return  # wait for pages: strict arrival order, so big prompts are not starved
-            self.allocator.acquire(hits)
+            if not forked:
+                self.allocator.acquire(hits)
             pages = hits + self.allocator.allocate(fresh)
             self.waiting.popleft()
+            request.shared_pages = []
             request.status = Status.RUNNING
             request.slot = self.slots.index(None)
             request.pages = pages
-            request.num_computed = len(hits) * self.page_size
+            request.num_computed = request.admitted_at = len(hits) * self.page_size
             request.num_registered = len(hits)
             request.prefill_target = target
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.num_computed
-            if self.prefix_cache is not None:
+                request.num_cached_tokens = 0 if forked else request.num_computed
+            if self.prefix_cache is not None and not forked:
                 self.prefix_cache_queries += target
                 self.prefix_cache_hits += request.num_computed
             self.slots[request.slot] = request
 
+    def _fork(self, request: Request) -> None:
+        """Choice 0's prompt is prefilled (by the step being planned): its other choices may start. They
+        share its whole prompt pages (one more reference each) and compute the rest themselves, at least
+        the last prompt token, whose logits each samples with its own seed."""
+        full = (request.num_prompt_tokens - 1) // self.page_size
+        # A repetition penalty needs every prompt token to pass through the step (it marks them).
+        shared = request.pages[:full] if request.params.repetition_penalty == 1 else []
+        for choice in request.forks:
+            self.allocator.acquire(shared)
+            choice.shared_pages = list(shared)
+            self._requeue(choice)
+        request.forks = []
+
     def _cached_prefix(self, request: Request, target: int) -> list[int]:
         """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
-        if self.prefix_cache is None:
-            return []
+        params = request.params
+        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None:
+            return []  # a repetition penalty (prompt logprobs) needs every prompt token to go through a step
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
@@ -302,13 +334,19 @@ class Scheduler:
         victim.num_pending = 0  # its in-flight sample is discarded and drawn again after recomputation
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        # Back to the front, keeping arrival order among earlier preempted requests.
-        position = next((i for i, r in enumerate(self.waiting) if r.arrival > victim.arrival), len(self.waiting))
-        self.waiting.insert(position, victim)
+        self._requeue(victim)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the front of the queue, in arrival order among the requests that arrived before."""
+        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        self.waiting.insert(position, request)
 
     def _release(self, request: Request) -> None:
         request.epoch += 1
         request.pending_row = -1
+        if request.shared_pages:  # a forked choice that never ran
+            self.allocator.free(request.shared_pages)
+            request.shared_pages = []
         if request.slot is not None:
             self.slots[request.slot] = None
             request.slot = None
@@ -334,9 +372,11 @@ class Scheduler:
         return self.allocator.evict_cached()
 
     def finish(self, request: Request, reason: str) -> None:
-        """Finish (or abort) a request wherever it is; frees its slot and pages."""
+        """Finish (or abort) a request wherever it is; frees its slot and pages. Choices not forked yet are
+        the caller's to finish."""
         if request.status is Status.WAITING and request in self.waiting:
             self.waiting.remove(request)
+        request.forks = []
         self.register_full_pages(request)
         self._release(request)
         request.status = Status.FINISHED

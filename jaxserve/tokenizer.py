@@ -102,6 +102,9 @@ class Tokenizer:
         self.chat_template: str | None = chat_template
         self.model_max_length: int | None = model_max_length
         self._max_token_chars: int | None = None
+        self._token_strs: dict[int, str] = {}
+        self._anchor: list[int] | None = None
+        self._anchor_text = ""
 
     # -- construction -------------------------------------------------------------------------
 
@@ -219,6 +222,21 @@ class Tokenizer:
             vocab = self._backend.get_vocab(with_added_tokens=True)
             self._max_token_chars = max(1, max((len(t) for t in vocab), default=1))
         return self._max_token_chars
+
+    def token_str(self, token_id: int) -> str:
+        """One token's text as it reads inside a text (for logprob entries; special tokens included), cached
+        per id. Decoded after an anchor token: a SentencePiece decoder drops the leading space of whatever
+        comes first, and " there" must not show as "there"."""
+        text = self._token_strs.get(token_id)
+        if text is None:
+            if self._anchor is None:
+                self._anchor = self._backend.encode("a", add_special_tokens=False).ids[:1]
+                self._anchor_text = self._backend.decode(self._anchor, skip_special_tokens=False)
+            both = self._backend.decode([*self._anchor, token_id], skip_special_tokens=False)
+            text = both[len(self._anchor_text):] if both.startswith(self._anchor_text) else \
+                self._backend.decode([token_id], skip_special_tokens=False)
+            self._token_strs[token_id] = text
+        return text
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -1,4 +1,5 @@
-"""Numerical parity with Hugging Face transformers (float32) on small random configs, through the ragged step.
+"""Numerical parity with Hugging Face transformers (float32) on small random configs, through the ragged step:
+logits, greedy tokens, and the log-probabilities the step returns (sampled and prompt tokens, top 5).
 
 The golden logits were produced by `tools/make_parity_fixtures.py` (see tests/fixtures/parity/README.md):
 a 48-token prompt plus 16 greedy tokens, and the full-sequence logits. Here the prompt goes through the
@@ -16,6 +17,7 @@ import pytest
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.kv_cache import PageAllocator, pages_needed
 from jaxserve.runner import ModelRunner
+from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import ScheduledChunk
 from jaxserve.sharded_model import load_sharded
 from pallas_kernels.dispatch import select_attention_backend
@@ -64,12 +66,21 @@ def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
         return out
 
     def step(token_ids, start):
-        target = ScheduledChunk.for_sequence(1, pages[1], start, token_ids)
+        target = ScheduledChunk.for_sequence(1, pages[1], start, token_ids, params=LOGPROBS)
         extra = companions() if mixed else {}
         chunks = [c for c in (extra.get(0), target, extra.get(2)) if c is not None]
-        samples, logits, rows = runner.run(chunks)
+        out = runner.run(chunks)
         i = chunks.index(target)
-        return int(samples[i]), logits[rows[i]]
+        rows, r = out.rows[i], out.results
+        positions = range(start, start + len(token_ids))
+        # Sampled token: its logprob, rank and the top 5, against the golden logits of the last position.
+        check_logprobs(ref_logits[positions[-1]], int(out.samples[i]), r.sample_logprob[i], r.sample_rank[i],
+                       r.top_ids[i], r.top_logprobs[i])
+        # Prompt logprobs: every row but the chunk's last scores the next token of the chunk.
+        for row, position in zip(range(rows.start, rows.stop - 1), positions):
+            check_logprobs(ref_logits[position], ids[position + 1], r.prompt_logprob[row], r.prompt_rank[row],
+                           r.prompt_top_ids[row], r.prompt_top_logprobs[row])
+        return int(out.samples[i]), out.logits[rows]
 
     _, logits_a = step(ids[:32], 0)
     first, logits_b = step(ids[32:prompt_len], 32)
@@ -81,6 +92,19 @@ def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
         np.testing.assert_allclose(logits[0], ref_logits[position], atol=1e-4, rtol=0)
         generated.append(token)
     assert generated == ids[prompt_len:]
+
+
+LOGPROBS = SamplingParams(temperature=0, max_tokens=None, logprobs=5, prompt_logprobs=5)
+
+
+def check_logprobs(ref_logits, token: int, logprob, rank, top_ids, top_logprobs, k: int = 5) -> None:
+    """A step's logprob results for one row against log_softmax of the golden float32 logits."""
+    ref = ref_logits.astype(np.float64) - np.logaddexp.reduce(ref_logits.astype(np.float64))
+    np.testing.assert_allclose(logprob, ref[token], atol=1e-4, rtol=0)
+    assert rank == 1 + int(np.sum(ref > ref[token] + 1e-6))
+    order = np.argsort(-ref, kind="stable")[:k]
+    np.testing.assert_allclose(top_logprobs[:k], ref[order], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ref[top_ids[:k]], ref[order], atol=1e-4, rtol=0)  # ties may swap ids
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["alone", "mixed"])
