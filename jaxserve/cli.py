@@ -42,6 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated token counts a step is padded to, one compiled program each "
                         "(default: 1,2,4,... up to --max-num-batched-tokens)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
+                   help="top logprobs a request may ask for, per sampled and per prompt token")
+    g.add_argument("--max-logit-bias", type=int, default=EngineArgs.max_logit_bias,
+                   help="logit_bias / allowed_token_ids entries a request may carry")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="sampling defaults: 'auto' takes the model's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens); 'vllm' uses none")
     add_parallel_args(parser)
 
 
@@ -88,6 +95,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    if getattr(ns, "model_tag", None):  # `jaxserve serve MODEL`, as vllm serve takes it
+        if ns.model not in (None, ns.model_tag):
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
     if kwargs.get("token_buckets"):
         kwargs["token_buckets"] = tuple(int(b) for b in kwargs["token_buckets"].split(","))
@@ -98,9 +109,12 @@ def _generate(ns: argparse.Namespace) -> int:
     from jaxserve.llm import LLM
     from jaxserve.sampling import SamplingParams
 
+    args = engine_args_from(ns)
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-                            max_tokens=ns.max_tokens, seed=ns.seed)
-    llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
+                            max_tokens=ns.max_tokens, seed=ns.seed, stop=ns.stop or None,
+                            stop_token_ids=[int(t) for t in (ns.stop_token_ids or "").split(",") if t.strip()],
+                            ignore_eos=ns.ignore_eos)
+    llm = LLM(**dataclasses.asdict(args))
     results = llm.generate([ns.prompt], params)
     if not results:  # a follower process in a multi-host run: process 0 prints
         return 0
@@ -120,6 +134,7 @@ def _serve(ns: argparse.Namespace) -> int:
         engine.warmup()
         engine.follow()
         return 0
+    from jaxserve.engine_args import sampling_defaults
     from server.options import ServerOptions, read_chat_template
     from server.serve import serve
     options = ServerOptions(
@@ -127,7 +142,8 @@ def _serve(ns: argparse.Namespace) -> int:
         allowed_origins=tuple(o.strip() for o in (ns.allowed_origins or "").split(",") if o.strip()),
         max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
         shutdown_timeout=ns.shutdown_timeout, chat_template=read_chat_template(ns.chat_template),
-        trust_request_chat_template=ns.trust_request_chat_template)
+        trust_request_chat_template=ns.trust_request_chat_template,
+        sampling_defaults=sampling_defaults(args.model, ns.generation_config))
     return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir, options=options)
 
 
@@ -141,7 +157,7 @@ def _convert(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -154,9 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop string (repeat the flag for several); not part of the output")
+    gen.add_argument("--stop-token-ids", default=None, metavar="ID[,ID...]", help="token ids that end the output")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS tokens")
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="model directory (the same as --model; default: built-in demo model)")
     add_engine_args(srv)
     add_server_args(srv)
     srv.set_defaults(func=_serve)
@@ -168,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="stored precision (auto: the checkpoint's own)")
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

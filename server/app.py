@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import re
@@ -31,40 +33,26 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.async_engine import AsyncEngine, EngineDeadError, TokenTimer
 from jaxserve.engine import RequestOutput
-from jaxserve.sampling import InvalidParameter
+from jaxserve import __version__
+from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.tokenizer import ChatTemplateError
 from server.guards import RequestGuard
 from server.metrics import Metrics
 from server.openapi import openapi_document
 from server.options import ServerOptions
-from server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from server.protocol import (ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, UnsupportedField,
+                             error_body)
+from server.chat import chat_route
+from server.completions import completions_route
+from server.errors import APIError, error_response, internal_error, request_id_of
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body, status_code=e.status, headers=e.headers)
-
-
-def _internal_error(request_id: str) -> APIError:
-    return APIError(500, f"internal error (request id {request_id})", "server_error", code="internal_error")
-
-
-def _request_id(request: Request) -> str:
-    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
 
 class OpenAIServer:
@@ -76,7 +64,7 @@ class OpenAIServer:
         self.in_flight = 0  # engine requests this server has submitted (or is about to) and not seen finish
         self.draining = False  # shutting down: no new requests
         self._live: set[str] = set()  # ids of the engine requests now running, for abort_all
-        # Characters a text prompt may have before tokenizing it is pointless (see _prompt_fits).
+        # Characters a text prompt may have before tokenizing it is pointless (see prompt_fits).
         self.max_prompt_chars: int | None = None
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -85,7 +73,7 @@ class OpenAIServer:
     def engine(self):
         return self.async_engine.engine
 
-    def _require_ready(self) -> None:
+    def require_ready(self) -> None:
         if self.async_engine.error:
             raise APIError(503, "the engine failed; the server is restarting", "server_error",
                            code="engine_failed")
@@ -95,7 +83,7 @@ class OpenAIServer:
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
 
-    def _admit(self, n: int) -> None:
+    def admit(self, n: int) -> None:
         """Count n new engine requests against the queue limit (a prompt list counts each prompt)."""
         limit = self.options.max_queued_requests
         if limit is not None and self.in_flight + n > self.engine.scheduler_config.max_num_seqs + limit:
@@ -104,7 +92,7 @@ class OpenAIServer:
                            headers={"Retry-After": "1"})
         self.in_flight += n
 
-    async def _parse(self, request: Request, schema):
+    async def parse(self, request: Request, schema):
         raw = await request.body()  # already bounded by the guard
         try:
             data = json.loads(raw)
@@ -118,18 +106,17 @@ class OpenAIServer:
         try:
             body = schema.model_validate(data)
         except ValidationError as e:
-            # For a union field pydantic reports one error per alternative: the deepest says the most.
-            error = max(e.errors(), key=lambda err: len(err["loc"]))
-            param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
-            raise APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
+            raise _validation_error(e) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply") from None
+        if body.unknown_fields:
+            logger.warning("request %s: ignored unknown fields %s", request_id_of(request), body.unknown_fields)
         if body.model is not None and body.model != self.engine.model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
                                 f"`{self.engine.model_name}`", param="model", code="model_not_found")
         return body
 
-    def _prompt_fits(self, text: str, param: str = "prompt") -> None:
+    def prompt_fits(self, text: str, param: str = "prompt") -> None:
         """Refuse, without tokenizing, a text that cannot fit the context: every token covers at most the
         vocabulary's longest token string, so the text has at least len(text) / that many tokens."""
         limit = self.engine.scheduler_config.max_model_len
@@ -140,49 +127,74 @@ class OpenAIServer:
                                 f"{len(text)} characters, more than that many tokens can hold",
                            param=param, code="context_length_exceeded")
 
-    def _check_and_build(self, body, prompt_ids: list[list[int]]):
-        """Context-length checks and SamplingParams per prompt; raises APIError before any submission."""
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens: keep the last `keep` tokens (-1: as many as the context allows)."""
+        if keep is None:
+            return ids
+        keep = self.engine.scheduler_config.max_model_len - 1 if keep == -1 else keep
+        return ids[-keep:] if keep else ids
+
+    def check_and_build(self, body, prompt_ids: list[list[int]], max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """Context-length checks and SamplingParams per prompt; raises APIError before any submission.
+        `max_tokens` None: the model's default (generation_config), else up to the context length."""
         limit = self.engine.scheduler_config.max_model_len
         params = []
         for ids in prompt_ids:
             if not ids:
                 raise APIError(400, "prompt is empty", param="prompt")
-            max_tokens = body.max_tokens if body.max_tokens is not None else limit - len(ids)
-            if len(ids) + max_tokens > limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
-                                    f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
-                               param="max_tokens" if len(ids) < limit else "prompt",
-                               code="context_length_exceeded")
+            wanted = max_tokens if max_tokens is not None else self.options.sampling_defaults.get("max_tokens")
+            wanted = wanted if wanted is not None else limit - len(ids)
+            if len(ids) + wanted > limit:
+                if max_tokens is None and len(ids) < limit:  # a default, not the client's: it shrinks to fit
+                    wanted = limit - len(ids)
+                else:
+                    raise APIError(400, f"This model's maximum context length is {limit} tokens. However, "
+                                        f"you requested {len(ids) + wanted} tokens ({len(ids)} in the prompt, "
+                                        f"{wanted} for the completion). Reduce the prompt or max_tokens.",
+                                   param="max_tokens" if len(ids) < limit else "prompt",
+                                   code="context_length_exceeded")
             try:
-                p = body.sampling_params(max_tokens)
+                p = body.to_sampling_params(wanted, logprobs, self.options.sampling_defaults)
+                if prompt_logprobs is not None and p.prompt_logprobs is None:
+                    p = dataclasses.replace(p, prompt_logprobs=prompt_logprobs)
                 self.engine.validate(ids, p)
             except InvalidParameter as e:
                 raise APIError(400, str(e), param=e.param) from None
             params.append(p)
         return params
 
-    def _render_chat(self, body: ChatCompletionRequest) -> str:
+    def render_chat(self, body: ChatCompletionRequest) -> str:
         """The chat prompt (worker thread): the request's template only if trusted, else the server's
-        (--chat-template), else the model's."""
+        (--chat-template), else the model's. With continue_final_message the prompt ends right after the
+        final (assistant) message's text, so the reply continues it."""
         if body.chat_template is not None and not self.options.trust_request_chat_template:
             raise APIError(400, "request chat templates are disabled on this server (start it with "
                                 "--trust-request-chat-template to allow them)", param="chat_template")
         template = body.chat_template or self.options.chat_template
-        extra = {"tools": body.tools} if body.tools else {}
+        messages = [m.for_template() for m in body.messages]
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                [m.for_template() for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-                chat_template=template, time_limit=self.options.chat_template_timeout, **extra)
+            text = self.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, chat_template=template,
+                time_limit=self.options.chat_template_timeout, **body.template_variables())
         except ChatTemplateError as e:
             raise APIError(400, f"chat template: {e}", param="messages", code="chat_template_error") from None
         except ValueError as e:  # no template at all
             raise APIError(400, f"chat template: {e}; start the server with --chat-template",
                            param="messages") from None
+        if body.continue_final_message:
+            final = body.messages[-1].text
+            cut = text.rfind(final) if final else -1
+            if cut < 0:
+                raise APIError(400, "continue_final_message: the chat template does not write the final "
+                                    "message's text as it is", param="continue_final_message")
+            text = text[:cut + len(final)]
+        return text
 
-    async def _results(self, request: Request, prompt_ids, params, texts) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run all prompts concurrently; yield (choice index, output) as outputs arrive. Aborts on disconnect.
-        The caller has admitted len(prompt_ids) requests; they are released here when this generator ends."""
+    async def results(self, request: Request, prompt_ids, params, texts) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
+        choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
+        released here when this generator ends."""
         base = uuid.uuid4().hex
         request_ids = [f"{base}-{i}" for i in range(len(prompt_ids))]
         merged: asyncio.Queue = asyncio.Queue()
@@ -221,7 +233,7 @@ class OpenAIServer:
                     await merged.put((i, e))
 
             pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
-            remaining = len(pumps)
+            remaining = sum(p.n for p in params)  # every choice of every prompt finishes once
             while remaining:
                 i, item = await merged.get()
                 if isinstance(item, Exception):
@@ -234,7 +246,7 @@ class OpenAIServer:
             for task in pumps:
                 task.cancel()
             self._live.difference_update(request_ids)
-            self.in_flight -= len(prompt_ids)
+            self.in_flight -= sum(p.n for p in params)
 
     def abort_all(self) -> int:
         """End every running request now (finish_reason "abort"); returns how many."""
@@ -246,16 +258,16 @@ class OpenAIServer:
 
     async def health(self, request: Request) -> Response:
         try:
-            self._require_ready()
+            self.require_ready()
         except APIError as e:
-            return _error_response(e)
+            return error_response(e)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
         try:
-            self._require_ready()
+            self.require_ready()
         except APIError as e:
-            return _error_response(e)
+            return error_response(e)
         engine = self.engine
         return JSONResponse({"object": "list", "data": [{
             "id": engine.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
@@ -269,112 +281,58 @@ class OpenAIServer:
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_document())
 
-    async def completions(self, request: Request) -> Response:
-        admitted = 0
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt or chat messages -> token ids (and their texts)."""
         try:
-            self._require_ready()
-            body = await self._parse(request, CompletionRequest)
-            prompts = body.prompts()
-            self._admit(len(prompts))
-            admitted = len(prompts)
-            for p in prompts:
-                if isinstance(p, str):
-                    self._prompt_fits(p)
+            self.require_ready()
+            body = await self.parse(request, TokenizeRequest)
             tok = self.engine.tokenizer
-            prompt_ids = await run_in_threadpool(
-                lambda: [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts])
-            params = self._check_and_build(body, prompt_ids)
+            if body.messages is not None:
+                chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+                text = await run_in_threadpool(self.render_chat, chat)
+                add_special = body.add_special_tokens if body.add_special_tokens is not None else False
+            else:
+                text, add_special = body.prompt, body.add_special_tokens is not False
+            self.prompt_fits(text)
+            ids = await run_in_threadpool(tok.encode, text, add_special)
         except APIError as e:
-            self.in_flight -= admitted
-            return _error_response(e)
-        except BaseException:
-            self.in_flight -= admitted
-            raise
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        envelope = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": self.engine.model_name}
-        results = self._results(request, prompt_ids, params, texts)
-        usage = _Usage(prompt_ids)
-        if body.stream:
-            async def events():
-                async for i, out in results:
-                    usage.add(i, out)
-                    if out.new_text or out.finished:
-                        yield _sse({**envelope, "choices": [{"index": i, "text": out.new_text, "logprobs": None,
-                                                             "finish_reason": out.finish_reason}]})
-                if body.include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": usage.as_dict()})
-                yield "data: [DONE]\n\n"
-            return _event_stream(events(), _request_id(request))
-        finals = {}
-        try:
-            async for i, out in results:
-                usage.add(i, out)
-                if out.finished:
-                    finals[i] = out.outputs[0]
-        except EngineDeadError:
-            return _error_response(_internal_error(_request_id(request)))
-        choices = [{"index": i, "text": finals[i].text, "logprobs": None, "finish_reason": finals[i].finish_reason}
-                   for i in sorted(finals)]
-        return JSONResponse({**envelope, "choices": choices, "usage": usage.as_dict()})
+            return error_response(e)
+        reply = {"count": len(ids), "max_model_len": self.engine.scheduler_config.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            reply["token_strs"] = [tok.token_str(t) for t in ids]
+        return JSONResponse(reply)
 
-    async def chat_completions(self, request: Request) -> Response:
-        admitted = 0
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: token ids -> text."""
         try:
-            self._require_ready()
-            body = await self._parse(request, ChatCompletionRequest)
-            self._admit(1)
-            admitted = 1
-            for i, m in enumerate(body.messages):
-                if isinstance(m.content, str):
-                    self._prompt_fits(m.content, f"messages.{i}.content")
-            text = await run_in_threadpool(self._render_chat, body)
-            self._prompt_fits(text, "messages")
-            # The template writes any BOS itself; encode must not add a second one.
-            prompt_ids = [await run_in_threadpool(self.engine.tokenizer.encode, text, False)]
-            params = self._check_and_build(body, prompt_ids)
+            self.require_ready()
+            body = await self.parse(request, DetokenizeRequest)
+            vocab = self.engine.model_config.vocab_size
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+            text = await run_in_threadpool(self.engine.tokenizer.decode, body.tokens, False)
         except APIError as e:
-            self.in_flight -= admitted
-            return _error_response(e)
-        except BaseException:
-            self.in_flight -= admitted
-            raise
-        envelope = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                    "model": self.engine.model_name}
-        results = self._results(request, prompt_ids, params, [text])
-        usage = _Usage(prompt_ids)
-        if body.stream:
-            chunk = {**envelope, "object": "chat.completion.chunk"}
+            return error_response(e)
+        return JSONResponse({"prompt": text})
 
-            async def events():
-                yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]})
-                async for i, out in results:
-                    usage.add(i, out)
-                    if out.new_text:
-                        yield _sse({**chunk, "choices": [{"index": 0, "delta": {"content": out.new_text},
-                                                          "logprobs": None, "finish_reason": None}]})
-                    if out.finished:
-                        yield _sse({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                                          "finish_reason": out.finish_reason}]})
-                if body.include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": usage.as_dict()})
-                yield "data: [DONE]\n\n"
-            return _event_stream(events(), _request_id(request))
-        final = None
-        try:
-            async for i, out in results:
-                usage.add(i, out)
-                if out.finished:
-                    final = out.outputs[0]
-        except EngineDeadError:
-            return _error_response(_internal_error(_request_id(request)))
-        return JSONResponse({**envelope, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": final.text},
-            "logprobs": None, "finish_reason": final.finish_reason}], "usage": usage.as_dict()})
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """The first error as a 400 naming its field; a field refused by name (UnsupportedField) says why."""
+    for error in e.errors():
+        refused = (error.get("ctx") or {}).get("error")
+        if isinstance(refused, UnsupportedField):
+            return APIError(400, f"{refused.param}: {refused}", param=refused.param, code="unsupported_parameter")
+    # For a union field pydantic reports one error per alternative: the deepest says the most.
+    error = max(e.errors(), key=lambda err: len(err["loc"]))
+    param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
+    return APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param)
 
 
 def _check_strings(value, path: str = "") -> None:
@@ -395,41 +353,6 @@ def _check_strings(value, path: str = "") -> None:
             _check_strings(item, f"{path}.{i}")
 
 
-class _Usage:
-    def __init__(self, prompt_ids: list[list[int]]):
-        self.prompt_tokens = sum(len(p) for p in prompt_ids)
-        self.completion = [0] * len(prompt_ids)
-        self.cached = [0] * len(prompt_ids)
-
-    def add(self, index: int, out: RequestOutput) -> None:
-        self.completion[index] = out.num_output_tokens
-        self.cached[index] = out.num_cached_tokens
-
-    def as_dict(self) -> dict:
-        done = sum(self.completion)
-        # prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache (OpenAI's field).
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached)}}
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _event_stream(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
-    async def guarded():
-        try:
-            async for event in events:
-                yield event
-        except Exception:  # headers are gone: report in-band, as OpenAI streams do, and end the stream
-            logger.exception("stream %s failed", request_id)
-            yield _sse(_internal_error(request_id).body)
-            yield "data: [DONE]\n\n"
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions()) -> Starlette:
     api = OpenAIServer(async_engine, options)
 
@@ -437,10 +360,10 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}", code="not_found"),
                             status_code=getattr(exc, "status_code", 404))
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        request_id = _request_id(request)
+    async def unhandled(request: Request, exc: Exception) -> Response:
+        request_id = request_id_of(request)
         logger.exception("unhandled error on %s (request id %s)", request.url.path, request_id)
-        return _error_response(_internal_error(request_id))
+        return error_response(internal_error(request_id))
 
     middleware = [Middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes)]
     if options.allowed_origins:  # outermost, so preflights are answered before authentication
@@ -460,8 +383,11 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-    ], exception_handlers={404: not_found, 405: not_found, Exception: internal_error})
+        Route("/v1/completions", functools.partial(completions_route, api), methods=["POST"]),
+        Route("/v1/chat/completions", functools.partial(chat_route, api), methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/version", api.version, methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_found, Exception: unhandled})
     app.state.api = api
     return app

@@ -6,8 +6,9 @@ from functools import lru_cache
 
 from pydantic.json_schema import models_json_schema
 
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
+MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 _ERROR = {"description": "OpenAI error JSON: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
 
 
@@ -28,9 +29,8 @@ def _get(summary: str) -> dict:
 @lru_cache(maxsize=1)
 def openapi_document() -> dict:
     refs, definitions = models_json_schema(
-        [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
-        ref_template="#/components/schemas/{model}")
-    ref = {model: refs[(model, "validation")]["$ref"] for model in (CompletionRequest, ChatCompletionRequest)}
+        [(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}")
+    ref = {model: refs[(model, "validation")]["$ref"] for model in MODELS}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": "0.1.0",
@@ -38,7 +38,10 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/completions": _post("Create a completion", ref[CompletionRequest]),
             "/v1/chat/completions": _post("Create a chat completion", ref[ChatCompletionRequest]),
+            "/tokenize": _post("Token ids of a prompt or of chat messages", ref[TokenizeRequest]),
+            "/detokenize": _post("The text of token ids", ref[DetokenizeRequest]),
             "/v1/models": _get("The served model"),
+            "/version": _get("The server's version"),
             "/health": _get("200 once the model is loaded and compiled"),
             "/metrics": _get("Prometheus metrics"),
         },

@@ -19,6 +19,9 @@ class ServerOptions:
     chat_template: str | None = None  # the server's template (text); default: the model's own
     trust_request_chat_template: bool = False  # let a request carry its own `chat_template`
     chat_template_timeout: float = 2.0  # seconds one template rendering may take
+    # Sampling defaults for fields a request leaves unset (--generation-config auto: the model's
+    # generation_config.json): temperature, top_p, top_k, min_p, repetition_penalty, max_tokens.
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.max_request_body_bytes < 1024:

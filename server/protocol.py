@@ -2,77 +2,131 @@
 
 Validation happens here, before anything reaches the engine: a body that fails it is a 400 with
 `{"error": {"message", "type", "param", "code"}}`. Every field has a type and a range that the engine can
-hold (token ids and top_k are also checked against the model's vocabulary by the engine, which knows
-it); floats must be finite. Fields the engine does not support (n > 1, logprobs, echo, penalties other
-than 0) are rejected by name rather than silently ignored.
+hold (token ids, top_k and the logprob counts are also checked against the model and the engine's fixed
+sizes by the engine, which knows them); floats must be finite.
+
+Every field of vLLM's completion and chat request models is either implemented or refused by name with a
+400 (`_UNSUPPORTED`: a field that stays at its default is fine, any other value is refused); fields
+nobody knows are ignored with a warning in the log, as vLLM does. `to_sampling_params` maps a request to
+the engine's `SamplingParams`, the server's defaults (the model's generation_config) filling what the
+request left out.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxserve.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
 
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: each is searched for in the text after every token
 MAX_PROMPTS = 256  # prompts in one completion request (each also counts against the queue limit)
 
+# Field -> (value that means "not used", why another value is refused).
+_UNSUPPORTED = {
+    "suffix": (None, "suffix is not supported"),
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
+    "spaces_between_special_tokens": (True, "spaces_between_special_tokens=false is not supported"),
+    "bad_words": ([], "bad_words is not supported; use logit_bias"),
+    "prompt_embeds": (None, "prompt_embeds is not supported"),
+    "structured_outputs": (None, "structured outputs are not supported yet"),
+    "guided_json": (None, "guided decoding is not supported yet"),
+    "guided_regex": (None, "guided decoding is not supported yet"),
+    "guided_choice": (None, "guided decoding is not supported yet"),
+    "guided_grammar": (None, "guided decoding is not supported yet"),
+    "guided_decoding_backend": (None, "guided decoding is not supported yet"),
+    "guided_whitespace_pattern": (None, "guided decoding is not supported yet"),
+    "structural_tag": (None, "structural tags are not supported yet"),
+    "logits_processors": (None, "custom logits processors are not supported"),
+    "kv_transfer_params": (None, "disaggregated serving (kv_transfer_params) is not supported"),
+    "vllm_xargs": (None, "vllm_xargs extensions are not supported"),
+    "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
+    "priority": (0, "priority scheduling is not enabled"),
+    "include_reasoning": (True, "include_reasoning=false needs a reasoning parser, which this server has not"),
+    "max_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
+    "min_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
+    "repetition_min_count": (0, "repetition-pattern stopping is not supported"),
+}
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, not only the last
 
 
-class _SamplingFields(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers usually do (clients send extras).
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+
+    @model_validator(mode="after")
+    def _only_text(self):
+        if self.type != "text":
+            raise ValueError(f"response_format {self.type!r} is not supported yet (only 'text')")
+        return self
+
+
+class _Request(BaseModel):
+    """Fields common to both routes, in vLLM's names, types and defaults."""
     # NaN and infinities never pass: Python's JSON parser accepts them, the sampler must not see them.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=64)
+    best_of: int | None = Field(default=None, ge=1, le=64)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=1024)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=65536)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-2**63, le=2**64 - 1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
-    user: str | None = None
-    # Extensions in vLLM's spelling
-    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    user: str | None = Field(default=None, max_length=1024)  # recorded by nobody: an id for abuse reports
+    response_format: ResponseFormat | None = None
+    request_id: str | None = Field(default=None, max_length=128)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     # Prefix-cache isolation (vLLM's field): only requests with the same salt share cached KV pages.
     cache_salt: str | None = Field(default=None, min_length=1)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("presence and frequency penalties are not supported (must be 0)")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return value
+    # Refused unless at their default (see _UNSUPPORTED).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] = Field(default_factory=list)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    priority: int = 0
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
 
     @field_validator("stop")
     @classmethod
@@ -84,22 +138,79 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters")
         return value
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              max_tokens=max_tokens, seed=self.seed, stop=self.stop,
-                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt)
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value):
+        if value is None:
+            return value
+        if len(value) > 65536:
+            raise ValueError("logit_bias has too many entries")
+        for key, bias in value.items():
+            if not key.lstrip("-").isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, (default, why) in _UNSUPPORTED.items():
+            if name in type(self).model_fields and getattr(self, name) != default:
+                raise UnsupportedField(name, why)
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedField("best_of", "best_of other than n is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedField("stream_options", "stream_options can only be set when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedField("prompt_logprobs", "prompt_logprobs are not available when streaming")
+        return self
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
-class CompletionRequest(_SamplingFields):
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (the model's generation_config), used where the
+        request leaves a field unset."""
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+        return SamplingParams(
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            cache_salt=self.cache_salt)
+
+
+class UnsupportedField(ValueError):
+    """A field this server refuses by name (pydantic wraps it; the app reports `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    add_special_tokens: bool = True
     suffix: str | None = None
+    prompt_embeds: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -112,22 +223,14 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("a prompt must not be an empty list of token ids")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix):
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return suffix
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", "max_tokens may be 0 only with echo (to score the prompt)")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list: one entry per choice, each text or token ids."""
+        """The prompt field as a list: one entry per prompt, each text or token ids."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -154,19 +257,90 @@ class ChatMessage(BaseModel):
             data["content"] = "".join(part.text for part in self.content)
         return data
 
+    @property
+    def text(self) -> str:
+        return self.for_template().get("content", "") or ""
 
-class ChatCompletionRequest(_SamplingFields):
+
+class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    echo: bool = False  # vLLM: the reply starts with the last message's content when that is the assistant's
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
     tools: list[dict] | None = None
+    tool_choice: Literal["none"] | None = None  # tool calling proper comes with structured outputs
+    parallel_tool_calls: bool | None = None  # only meaningful with tool calls
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # handed to the chat template
+    include_reasoning: bool = True
+    mm_processor_kwargs: Any = None
 
     @model_validator(mode="after")
-    def _merge_max_tokens(self):
+    def _chat_rules(self):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs is not None and not self.logprobs and self.top_logprobs > 0:
+            raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedField("continue_final_message",
+                                   "continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise UnsupportedField("continue_final_message", "continue_final_message needs a final assistant "
+                                   "message to continue")
         return self
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise UnsupportedField("tool_choice", "tool calling is not supported yet: tool_choice must be 'none'")
+        return value
+
+    def template_variables(self) -> dict:
+        """What the chat template sees besides the messages."""
+        variables = dict(self.chat_template_kwargs or {})
+        for name in ("tools", "documents", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                variables[name] = getattr(self, name)
+        return variables
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedField("prompt", "give exactly one of prompt and messages")
+        return self
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -1,6 +1,7 @@
 """The offline API and CLI on the real stories260K checkpoint."""
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -43,12 +44,27 @@ def test_cli_generate_matches_readme(stories_dir, story_text, stories_llm):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "--model", str(stories_dir),
                              "--prompt", "Once upon a time", "--max-tokens", str(max_tokens), "--max-num-batched-tokens", "16",
-                             "--max-num-seqs", "2"], capture_output=True, text=True, env=env, timeout=300)
+                             "--max-num-seqs", "2", "--stop", "park", "--stop", "ball"],
+                            capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.rstrip("\n") == story_text[len("Once upon a time"):]
+    story = story_text[len("Once upon a time"):]
+    assert result.stdout.rstrip("\n") == story[:story.index("park")]  # the first stop string cuts it
+    assert "finish_reason=stop" in result.stderr
     assert "attention kernels: blocked (jnp)" in result.stderr  # the log says which kernels and precision
     assert "float32" in result.stderr
     assert "Loading weights" in result.stderr and "Compiling" in result.stderr  # progress is shown
+
+
+def test_cli_serve_takes_the_model_as_vllm_does_and_generate_takes_stops():
+    from jaxserve.cli import build_parser, engine_args_from
+    here = str(Path(__file__).parent)
+    ns = build_parser().parse_args(["serve", here, "--max-num-seqs", "2"])
+    assert engine_args_from(ns).model == here
+    ns = build_parser().parse_args(["serve", here, "--model", "/elsewhere"])
+    with pytest.raises(ValueError, match="given twice"):
+        engine_args_from(ns)
+    ns = build_parser().parse_args(["generate", "--prompt", "x", "--stop-token-ids", "5,6", "--ignore-eos"])
+    assert ns.stop_token_ids == "5,6" and ns.ignore_eos
 
 
 def test_many_prompts_batch_continuously_and_keep_order(stories_llm):

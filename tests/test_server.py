@@ -71,8 +71,8 @@ def test_multiple_prompts_in_one_completion_request(client):
 @pytest.mark.parametrize("body, status, param, code", [
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", None),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature", None),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
-    ({"prompt": "hi", "n": 3}, 400, "n", None),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "unsupported_parameter"),  # only with echo
+    ({"prompt": "hi", "n": 0}, 400, "n", None),
     ({"prompt": []}, 400, "prompt", None),
     ({"max_tokens": 3}, 400, "prompt", None),
     ({"prompt": "hi", "max_tokens": 600}, 400, "max_tokens", "context_length_exceeded"),
