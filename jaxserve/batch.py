@@ -133,12 +133,14 @@ class BatchBuilder:
         self.page_size = page_size
         self.scratch_slot = max_num_seqs  # the sampler-state row of padding rows
         self.tables = np.full((max_num_seqs, max_pages), NULL_PAGE, np.int32)  # each slot's pages
-        self._owner: list[tuple[int, int] | None] = [None] * max_num_seqs  # (id(request), epoch) per row
+        # (arrival, epoch) of each row's occupant: unique per admission. Not id(request): a finished request's
+        # id can be reused by a new one, which would then inherit its stale page mirror.
+        self._owner: list[tuple[int, int] | None] = [None] * max_num_seqs
         self._synced = [0] * max_num_seqs  # pages of the owner already copied into its row
 
     def _sync_pages(self, chunk: ScheduledChunk) -> None:
         request, slot = chunk.request, chunk.request.slot
-        owner = (id(request), request.epoch)
+        owner = (request.arrival, request.epoch)
         if self._owner[slot] != owner:  # a new occupant (or the same request re-admitted after preemption)
             self._owner[slot], self._synced[slot] = owner, 0
             self.tables[slot] = NULL_PAGE

@@ -114,3 +114,22 @@ def test_preemption_discards_the_victims_pending_token_and_recomputes_it():
     assert sorted(set(sampled)) == list(range(8))  # indices repeat only where a sample was discarded
     loop.step()
     assert_pages_released(scheduler)
+
+
+def test_a_slot_s_next_occupant_never_inherits_the_page_mirror_of_the_last(monkeypatch):
+    """Regression: the batch builder once keyed a slot's page mirror by id(request). CPython hands a dead
+    object's id to the next one of its size, so a new request admitted to the slot inherited the previous
+    occupant's pages and attended over (and wrote into) the wrong KV pages. Reuse of an address happens
+    by chance; here every object gets the same id, so the hazard is certain."""
+    import jaxserve.batch
+    from jaxserve.batch import BatchBuilder, BatchLayout
+    from jaxserve.kv_cache import NULL_PAGE
+    from jaxserve.scheduler import ScheduledChunk
+
+    monkeypatch.setattr(jaxserve.batch, "id", lambda obj: 1, raising=False)
+    builder = BatchBuilder(max_num_seqs=1, max_pages=4, page_size=4)
+    layout = BatchLayout(tokens=8, seqs=1, max_pages=4, bias_entries=1)
+    for i in range(5):  # five successive occupants of slot 0, each with its own pages
+        pages = [10 + i, 100 + i]
+        builder.build([ScheduledChunk.for_sequence(0, pages, 0, [1, 2, 3, 4, 5])], layout)
+        assert list(builder.tables[0]) == pages + [NULL_PAGE] * 2
