@@ -166,7 +166,7 @@ def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     vocab = logits.shape[-1]
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    # One descending sort serves top-k, top-p and min-p; the draw happens over sorted positions.
+    # One descending sort serves top-k, top-p and min-p.
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(vocab)[None, :]
@@ -177,11 +177,15 @@ def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     keep &= mass_before < params.top_p[:, None]
     keep &= probs >= params.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    # Back in token order before the draw: the noise each token gets must follow its id, not its rank. By
+    # rank, two near-equal logits that swap places (rounding differs between batch shapes) would swap
+    # noise, and a seeded request would draw differently depending on what shares its batch.
+    rows = jnp.arange(logits.shape[0])[:, None]
+    keep = jnp.zeros_like(keep).at[rows, order].set(keep)
+    masked = jnp.where(keep, scaled, -jnp.inf)
 
     def draw(seed, step, row):
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
         return jax.random.categorical(key, row)
 
-    picked = jax.vmap(draw)(params.seed, params.step, masked)
-    return jnp.take_along_axis(order, picked[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.vmap(draw)(params.seed, params.step, masked).astype(jnp.int32)
