@@ -39,6 +39,7 @@ class StepBatch:
     page_tables: jax.Array  # [S, max_pages] int32 page ids per sequence (null page beyond its length)
     sample_index: jax.Array  # [S] int32 row of each sequence's last token, whose logits are sampled
     logprobs: jax.Array  # [S] int32 top logprobs wanted for the sampled token; -1: none at all
+    constrained: jax.Array  # [] int32 1 when some row's draw is limited by a grammar mask (runner.py)
     sampling: SamplingArrays  # [S] rows
     processing: LogitsParams  # [S] rows
 
@@ -49,7 +50,7 @@ _INT_FIELDS = (("tokens", "T"), ("from_prev", "T"), ("positions", "T"), ("write_
                ("token_kind", "T"), ("prompt_target", "T"), ("cu_q_lens", "S+1"), ("kv_lens", "S"),
                ("sample_index", "S"), ("page_tables", "SP"), ("logprobs", "S"), ("top_k", "S"),
                ("seed", "2S"), ("step", "S"), ("slots", "S"), ("fresh", "S"), ("bias_ids", "SB"),
-               ("bias_kinds", "SB"), ("restrict", "S"), ("active", "1"))
+               ("bias_kinds", "SB"), ("restrict", "S"), ("active", "1"), ("constrained", "1"))
 _FLOAT_FIELDS = (("temperature", "S"), ("top_p", "S"), ("min_p", "S"), ("presence", "S"), ("frequency", "S"),
                  ("repetition", "S"), ("bias_values", "SB"))
 
@@ -122,7 +123,7 @@ class BatchLayout:
                          write_index=f["write_index"], token_kind=f["token_kind"],
                          prompt_target=f["prompt_target"], cu_q_lens=f["cu_q_lens"], kv_lens=f["kv_lens"],
                          page_tables=f["page_tables"], sample_index=f["sample_index"], logprobs=f["logprobs"],
-                         sampling=sampling, processing=processing)
+                         constrained=f["constrained"][0], sampling=sampling, processing=processing)
 
 
 class BatchBuilder:
@@ -149,10 +150,12 @@ class BatchBuilder:
             self.tables[slot, done:len(pages)] = pages[done:]
             self._synced[slot] = len(pages)
 
-    def build(self, chunks: list[ScheduledChunk], layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
+    def build(self, chunks: list[ScheduledChunk], layout: BatchLayout,
+              constrained: bool = False) -> tuple[np.ndarray, np.ndarray]:
         n = len(chunks)
         ints, floats = layout.empty(self.scratch_slot)
         v = layout.views(ints, floats)
+        v["constrained"][0] = constrained
         for chunk in chunks:
             self._sync_pages(chunk)
         requests = [c.request for c in chunks]

@@ -31,12 +31,14 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
 from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput, logprob_entries
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Request, Scheduler, Status
+from jaxserve.structured import CLOSE_MARGIN, GrammarCompiler, Matcher
 from jaxserve.tokenizer import IncrementalDetokenizer
 from sharding import multihost
 
@@ -60,6 +62,9 @@ class _Tracked:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False
+        self.matcher: Matcher | None = None  # structured outputs: the choice's place in its grammar
+        self.closing: list[int] | None = None  # the tokens still to force to end the grammar within budget
+        self.next_walk = 0  # tokens the choice will have when it next looks for a way out (Engine._closing_token)
 
 
 class CompileCounter:
@@ -97,6 +102,7 @@ class Engine:
         self.sampler_config = built.sampler_config
         self.runner = ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config,
                                   built.attention, built.dtype, built.sampler_config)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
         self.plan = built.model.plan
         self.is_leader = multihost.is_leader()
@@ -188,6 +194,8 @@ class Engine:
                                    f"{self.sampler_config.max_logit_bias}")
         if params.n > self.scheduler_config.max_num_seqs:
             raise InvalidParameter("n", f"n may be at most --max-num-seqs ({self.scheduler_config.max_num_seqs})")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # cached: cheap for a spec seen before
 
     def _suppressed_ids(self, params: SamplingParams) -> tuple[int, ...]:
         """What min_tokens masks: the EOS tokens (unless ignored) and the stop tokens."""
@@ -212,8 +220,11 @@ class Engine:
             choice = Request(request_id=request_id if j == 0 else f"{request_id}#{j}", prompt_ids=prompt_ids,
                              params=params if j == 0 else later, seed=(seed + j) % 2**64, max_len=max_len,
                              choice=j, suppress_ids=self._suppressed_ids(params))
-            choices.append(_Tracked(choice, self.tokenizer.new_detokenizer(
-                prompt_ids, skip_special_tokens=params.skip_special_tokens), prompt))
+            tracked = _Tracked(choice, self.tokenizer.new_detokenizer(
+                prompt_ids, skip_special_tokens=params.skip_special_tokens), prompt)
+            if params.structured_outputs is not None:
+                tracked.matcher = self.grammars.matcher(params.structured_outputs)
+            choices.append(tracked)
         choices[0].request.forks = [t.request for t in choices[1:]]
         self._inbox.put(("add", (request_id, choices)))
         return request_id
@@ -259,10 +270,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
         outputs = self._drain_inbox()
+        if self._in_flight is not None and self._grammar_waits():
+            # A constrained sequence's next mask needs its pending token: read the step in flight first
+            # (the device idles meanwhile; unconstrained traffic alone never takes this path).
+            outputs.extend(self._process(self._in_flight))
+            self._in_flight = None
         plan = self.scheduler.schedule()
         launched = None
         if not plan.empty:
-            launched = self.runner.launch(plan)
+            launched = self.runner.launch(plan, masks=self._grammar_masks(plan))
             for chunk in plan.chunks:
                 if chunk.is_prefill:
                     self.stats.prompt_tokens += chunk.num_tokens
@@ -272,6 +288,51 @@ class Engine:
             outputs.extend(self._process(self._in_flight))
         self._in_flight = launched
         return outputs
+
+    def _grammar_waits(self) -> bool:
+        return any(r.constrained and r.num_pending for r in self.scheduler.slots if r is not None)
+
+    def _grammar_masks(self, plan) -> np.ndarray | None:
+        """The step's allowed-token bitmask, when one of its draws is constrained (else None: no transfer)."""
+        constrained = [(self._tracked[c.request.request_id], i) for i, c in enumerate(plan.chunks)
+                       if c.samples and c.request.constrained]
+        if not constrained:
+            return None
+        masks = self.runner.open_masks(self.runner.layout_for(plan.num_tokens))
+        free = []
+        for tracked, row in constrained:
+            forced = self._closing_token(tracked)
+            if forced is None:
+                free.append((tracked.matcher, row))
+            else:
+                masks[row] = 0
+                masks[row, forced // 32] = np.int32(np.uint32(1 << (forced % 32)).view(np.int32))
+        if free:
+            self.grammars.fill_masks(free, masks)
+        for matcher, row in free:
+            if matcher.error:  # out of work fuel: this draw goes unconstrained and the choice ends after it
+                masks[row] = -1
+        return masks
+
+    def _closing_token(self, tracked: _Tracked) -> int | None:
+        """Near the end of its token budget a constrained choice is steered to the end of its grammar, so
+        its output is complete (JSON that parses) rather than cut off: once the way out the host finds is
+        about as long as the draws left, its tokens are forced, one per step."""
+        request = tracked.request
+        drawn = request.num_tokens - 1  # the draw being planned is already counted as pending
+        if tracked.closing is None and drawn >= tracked.next_walk:
+            left = request.max_len - drawn  # draws left, this one included
+            path = self.grammars.closing(tracked.matcher, 2 * left + CLOSE_MARGIN)
+            way_out = len(path) if path is not None else 2 * left + CLOSE_MARGIN
+            # One free draw can lengthen the way out a lot (entering an object whose required fields must all
+            # be written): keep a margin that grows with it. Best effort: a bigger jump still cuts the output.
+            margin = CLOSE_MARGIN + way_out // 2
+            gap = left - way_out
+            if path is not None and gap <= margin:
+                tracked.closing = path
+            # Each free draw shrinks the gap by about CLOSE_MARGIN + 1 at most: walk again before it can close.
+            tracked.next_walk = drawn + max(1, (gap - margin) // (CLOSE_MARGIN + 1))
+        return tracked.closing.pop(0) if tracked.closing else None
 
     def _process(self, done: StepOutput) -> list[RequestOutput]:
         tokens = done.tokens()
@@ -319,12 +380,16 @@ class Engine:
         params = request.params
         self.stats.generation_tokens += 1
         finish_reason = None
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if tracked.closing is not None and token in self.tokenizer.eos_token_ids:
+            finish_reason = "length"  # the end a closing walk forced: the budget ended the output
+        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             finish_reason, tracked.stop_reason = "stop", token
         elif token in params.stop_token_ids:
             finish_reason, tracked.stop_reason = "stop", token
         # EOS / stop tokens end the text without appearing in it.
         piece = tracked.detokenizer.add(token) if finish_reason is None else ""
+        if finish_reason is None and tracked.matcher is not None:
+            finish_reason = self._follow_grammar(tracked, token)  # the grammar's last token is part of the text
         if finish_reason is None and len(request.token_ids) >= request.max_len:
             finish_reason = "length"
         if finish_reason is not None:
@@ -335,6 +400,18 @@ class Engine:
         if finish_reason is not None:
             self._finish(tracked, finish_reason)
         return self._output(tracked, new_text, [token], None if entry is None else [entry])
+
+    def _follow_grammar(self, tracked: _Tracked, token: int) -> str | None:
+        """Advance the choice's grammar by its token: "stop" once the grammar is complete, "abort" if the
+        token broke it (only when the grammar ran out of work limits and its draw went unconstrained)."""
+        matcher = tracked.matcher
+        if not matcher.consume(token):
+            logger.warning("request %s: structured output ended: %s", tracked.request.request_id,
+                           matcher.error or "the grammar refused a token")
+            return "abort"
+        if not matcher.done:
+            return None
+        return "length" if tracked.closing is not None else "stop"  # closed early: the budget ended it
 
     def _apply_stop_strings(self, tracked: _Tracked, piece: str, final: bool) -> str:
         """Append `piece`, cutting at the first stop string; hold back a possible stop-string prefix."""

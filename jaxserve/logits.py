@@ -13,7 +13,9 @@ request's tokens do not depend on what shares its batch.
    the output (OpenAI's rule), then a list of entries per row that either add a bias to a token
    (`logit_bias`, and -inf on EOS and stop tokens until `min_tokens` are out) or allow it (with
    `allowed_token_ids` every token not listed is masked).
-3. `token_logprobs` gives, from the *raw* logits (vLLM's default: what the model said, before penalties
+3. `apply_token_masks` applies the grammar masks of structured outputs (`structured.py`) to the raw
+   logits, before everything else: a token a grammar forbids has probability zero, in logprobs too.
+4. `token_logprobs` gives, from the *raw* logits (vLLM's default: what the model said, before penalties
    and temperature), each chosen token's log-probability and rank and the top K alternatives.
 """
 
@@ -82,6 +84,19 @@ def process(logits: jax.Array, state: SamplerState, p: LogitsParams) -> jax.Arra
         return jnp.where((p.restrict[:, None] > 0) & ~allowed, -jnp.inf, out)
 
     return jax.lax.cond(p.active > 0, apply, lambda: logits)
+
+
+def apply_token_masks(logits: jax.Array, masks: jax.Array, constrained: jax.Array) -> jax.Array:
+    """Forbid (-inf) every token whose bit is clear: logits [S, vocab], masks [S, ceil(vocab / 32)] int32 with
+    token t at bit t % 32 of word t // 32 (llguidance's layout). Skipped when no row is constrained."""
+    def apply():
+        vocab = logits.shape[-1]
+        token = jnp.arange(vocab, dtype=jnp.uint32)
+        words = jax.lax.bitcast_convert_type(masks, jnp.uint32)[:, token // 32]
+        allowed = (words >> (token % 32)) & 1
+        return jnp.where(allowed > 0, logits, -jnp.inf)
+
+    return jax.lax.cond(constrained > 0, apply, lambda: logits)
 
 
 def token_logprobs(logits: jax.Array, chosen: jax.Array, k: int):

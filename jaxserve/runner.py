@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from jaxserve.batch import BatchBuilder, BatchLayout, StepBatch
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.kv_cache import NULL_PAGE, KVCache, pages_needed
-from jaxserve.logits import SamplerState, process, record_tokens, token_logprobs
+from jaxserve.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
 from jaxserve.sampling import sample
 from jaxserve.scheduler import ScheduledChunk, StepPlan
 from jaxserve.sharded_model import ShardedModel
@@ -115,6 +115,10 @@ class ModelRunner:
         rep = plan.replicated
         self._no_samples = jax.device_put(np.zeros(scheduler_config.max_num_seqs, np.int32), rep)
         self._prev_samples = self._no_samples
+        # The allowed-token bitmask of each bucket's sequence rows when no row is constrained: all ones, kept
+        # on the device, so unconstrained steps transfer nothing for it.
+        self.mask_words = (model_config.vocab_size + 31) // 32
+        self._open_masks = {b: jax.device_put(self.open_masks(layout), rep) for b, layout in self.layouts.items()}
         # Per slot (and one scratch row for padding): see jaxserve/logits.py.
         state_shape = (scheduler_config.max_num_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
@@ -125,20 +129,20 @@ class ModelRunner:
         step_kwargs = dict(graphdef=self.graphdef, attention=attention, config=model_config, pp=plan.pp,
                            num_samples=scheduler_config.max_num_seqs, top=sampler_config.max_logprobs)
 
-        def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, layout, with_logits):
+        def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits):
             # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
             # then computed identically on every device); we do not ask JAX to prove it per value.
             local = functools.partial(_step_local, **step_kwargs, layout=layout, with_logits=with_logits)
             params = jax.tree.unflatten(param_tree, param_leaves)
-            return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P(), P()),
+            return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P(), P(), P()),
                                  out_specs=(kv_specs, P(), P(), P()), check_vma=False)(
-                params, kv_cache, sampler_state, prev_samples, ints, floats)
+                params, kv_cache, sampler_state, prev_samples, ints, floats, masks)
 
         # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
         # with in_shardings. The cache and the sampler state are donated: updated in place.
-        self._step = jax.jit(step, static_argnums=(6, 7), donate_argnums=(1, 2),
+        self._step = jax.jit(step, static_argnums=(7, 8), donate_argnums=(1, 2),
                              in_shardings=(tuple(a.sharding for a in self._param_leaves), kv_sharding,
-                                           state_sharding, rep, rep, rep),
+                                           state_sharding, rep, rep, rep, rep),
                              out_shardings=(kv_sharding, state_sharding, rep, rep))
 
     def _new_kv_cache(self) -> KVCache:
@@ -155,31 +159,41 @@ class ModelRunner:
     def layout_for(self, num_tokens: int) -> BatchLayout:
         return self.layouts[self.scheduler_config.bucket_for(num_tokens)]
 
-    def launch(self, plan: StepPlan, with_logits: bool = False) -> StepOutput:
-        """Dispatch one step of the plan; returns without waiting for the device."""
-        layout = self.layout_for(plan.num_tokens)
-        ints, floats = self.builder.build(plan.chunks, layout)
-        return self._lead(plan, layout, ints, floats, with_logits)
+    def open_masks(self, layout: BatchLayout) -> np.ndarray:
+        """A step's allowed-token bitmask with every token allowed: [sequence rows, ceil(vocab / 32)] int32.
+        Fill a constrained row (bit t % 32 of word t // 32 for token t) and pass it to `launch`."""
+        return np.full((layout.seqs, self.mask_words), -1, np.int32)
 
-    def _lead(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
+    def launch(self, plan: StepPlan, with_logits: bool = False, masks: np.ndarray | None = None) -> StepOutput:
+        """Dispatch one step of the plan; returns without waiting for the device. `masks`: the allowed-token
+        bitmask of the plan's rows (`open_masks` filled in), when some row is constrained."""
+        layout = self.layout_for(plan.num_tokens)
+        ints, floats = self.builder.build(plan.chunks, layout, constrained=masks is not None)
+        return self._lead(plan, layout, ints, floats, masks, with_logits)
+
+    def _lead(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray, masks: np.ndarray | None,
               with_logits: bool) -> StepOutput:
         """Hand the step to the follower processes (multi-host), then dispatch it here."""
-        self.channel.send(STEP, layout.tokens, int(with_logits), (ints, floats))
-        return self._dispatch(plan, layout, ints, floats, with_logits)
+        flags = int(with_logits) | (_HAS_MASKS if masks is not None else 0)
+        self.channel.send(STEP, layout.tokens, flags, (ints, floats) if masks is None else (ints, floats, masks))
+        return self._dispatch(plan, layout, ints, floats, masks, with_logits)
 
-    def _dispatch(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
+    def _dispatch(self, plan, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray, masks: np.ndarray | None,
                   with_logits: bool) -> StepOutput:
+        # Masks go in as committed device arrays either way: a host array would be another program to compile.
+        masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
         self.kv_cache, self.sampler_state, results, logits = self._step(
-            self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, layout,
-            with_logits)
+            self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks,
+            layout, with_logits)
         self._prev_samples = results.samples
         results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
         return StepOutput(plan, results, logits)
 
-    def run(self, chunks: list[ScheduledChunk]) -> ManualStep:
+    def run(self, chunks: list[ScheduledChunk], masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has
-        requests running: their next step would read this step's samples as their pending tokens."""
-        out = self.launch(StepPlan(chunks, sum(c.num_tokens for c in chunks)), with_logits=True)
+        requests running: their next step would read this step's samples as their pending tokens.
+        `masks`: allowed-token bitmasks of the chunks' draws (see `open_masks`); the logits stay unmasked."""
+        out = self.launch(StepPlan(chunks, sum(c.num_tokens for c in chunks)), with_logits=True, masks=masks)
         bounds = np.cumsum([0] + [c.num_tokens for c in chunks])
         results = out.logprobs()
         return ManualStep(results.samples[:len(chunks)], out.all_logits(),
@@ -201,8 +215,13 @@ class ModelRunner:
             if kind != STEP:
                 raise RuntimeError(f"unknown step kind {kind} from the leader")
             layout = self.layouts[tokens]
-            ints, floats = self.channel.receive_batch(layout.empty(self.builder.scratch_slot))
-            self._dispatch(None, layout, np.asarray(ints), np.asarray(floats), bool(flag))
+            template = layout.empty(self.builder.scratch_slot)
+            if flag & _HAS_MASKS:
+                ints, floats, masks = self.channel.receive_batch((*template, self.open_masks(layout)))
+                masks = np.asarray(masks)
+            else:
+                (ints, floats), masks = self.channel.receive_batch(template), None
+            self._dispatch(None, layout, np.asarray(ints), np.asarray(floats), masks, bool(flag & _WITH_LOGITS))
             steps += 1
 
     def warmup(self) -> float:
@@ -212,13 +231,16 @@ class ModelRunner:
         with tqdm(total=len(layouts), desc="Compiling", unit="program") as bar:
             for layout in layouts:
                 # No sequences: every token writes to the null page, so real cache pages stay untouched.
-                self._lead(None, layout, *layout.empty(self.builder.scratch_slot), with_logits=False).tokens()
+                self._lead(None, layout, *layout.empty(self.builder.scratch_slot), None, with_logits=False).tokens()
                 bar.update()
         self._prev_samples = self._no_samples
         elapsed = time.perf_counter() - start
         logger.info("warm-up compiled %d step programs (token buckets %s) in %.1fs", len(layouts),
                     ",".join(map(str, self.layouts)), elapsed)
         return elapsed
+
+
+_WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag (multi-host)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -241,7 +263,7 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, write_index, NULL_PAGE)
 
 
-def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, *, graphdef,
+def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks, *, graphdef,
                 attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(ints, floats)
@@ -270,7 +292,8 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
 
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
-    raw = model.logits(hidden[batch.sample_index], TP_AXES)
+    # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
+    raw = apply_token_masks(model.logits(hidden[batch.sample_index], TP_AXES), masks, batch.constrained)
     samples = sample(process(raw, sampler_state, p), batch.sampling)
     sample_lp = _maybe_logprobs(jnp.any(batch.logprobs >= 0), lambda: raw, samples, top)
     targets = batch.prompt_target

@@ -19,13 +19,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxserve.errors import InvalidParameter
+from jaxserve.structured import StructuredOutputsParams
 
-class InvalidParameter(ValueError):
-    """A request parameter is out of range; `param` names it (the server reports it in the error body)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+__all__ = ["InvalidParameter", "SamplingParams", "SamplingArrays", "sample", "greedy", "seed_words"]
 
 
 @dataclasses.dataclass
@@ -54,6 +51,7 @@ class SamplingParams:
     # Requests share cached prefix pages only with requests of the same salt (None shares with None):
     # a tenant's salt keeps others from timing its prompts through cache hits.
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -107,6 +105,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameter("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidParameter("cache_salt",
                                    f"cache_salt must be a non-empty string when given, got {self.cache_salt!r}")

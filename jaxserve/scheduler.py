@@ -15,6 +15,8 @@
    is dispatched while the previous one still runs, so a sequence's newest token may still be on the
    device. Such a token is *pending*: the chunk names the previous step's sample row it comes from, and
    the device feeds it in directly. `num_computed` counts tokens whose K/V the dispatched steps write.
+   A sequence under structured outputs is not decoded while it has a pending token: the grammar mask of
+   its next draw depends on that token (the engine reads it first, see engine.py).
 4. When a step's samples reach the host, `accept_token` appends them — the only place a request's tokens
    grow. A sample for a request that finished, was aborted or was preempted after the step was planned
    is discarded (its `epoch` moved on). Full pages whose tokens are all known and whose K/V is written
@@ -99,6 +101,11 @@ class Request:
     def num_tokens(self) -> int:
         """Known tokens plus those still on the device."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def constrained(self) -> bool:
+        """Its draws follow a grammar: each needs the token before it known on the host (for the mask)."""
+        return self.params.structured_outputs is not None
 
     @property
     def is_prefilling(self) -> bool:
@@ -209,8 +216,10 @@ class Scheduler:
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:
-        # A sequence at its length limit only waits for its pending token, which finishes it.
-        return request.is_decoding and request.num_tokens < request.max_len
+        # A sequence at its length limit only waits for its pending token, which finishes it. A constrained
+        # one waits for its pending token too: its next draw's mask depends on it.
+        return (request.is_decoding and request.num_tokens < request.max_len
+                and not (request.constrained and request.num_pending))
 
     def _decode_chunk(self, request: Request, row: int) -> ScheduledChunk:
         pending = request.num_pending > 0

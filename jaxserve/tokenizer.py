@@ -223,6 +223,10 @@ class Tokenizer:
             self._max_token_chars = max(1, max((len(t) for t in vocab), default=1))
         return self._max_token_chars
 
+    def backend_json(self) -> str:
+        """The `tokenizers` definition as JSON (what grammar libraries build their token tables from)."""
+        return self._backend.to_str()
+
     def token_str(self, token_id: int) -> str:
         """One token's text as it reads inside a text (for logprob entries; special tokens included), cached
         per id. Decoded after an anchor token: a SentencePiece decoder drops the leading space of whatever

@@ -46,7 +46,7 @@ class FakeRunner:
         script = self.scripts[seed]
         return script[step] if step < len(script) else 500
 
-    def launch(self, plan):
+    def launch(self, plan, masks=None):
         samples = np.zeros(len(plan.chunks), np.int32)
         record = []
         for row, chunk in enumerate(plan.chunks):

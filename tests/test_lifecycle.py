@@ -74,10 +74,10 @@ def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monke
     broken = threading.Event()
     launch = ModelRunner.launch
 
-    def failing_launch(self, plan, with_logits=False):
+    def failing_launch(self, plan, *args, **kwargs):
         if broken.is_set():
             raise RuntimeError("device lost: secret internal detail")
-        return launch(self, plan, with_logits)
+        return launch(self, plan, *args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "launch", failing_launch)
     port = free_port()
