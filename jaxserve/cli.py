@@ -92,6 +92,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="jinja chat template (a file, or the text itself) instead of the model's own")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests carry their own chat_template (it runs on the server: off by default)")
+    g = parser.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="answer tool_choice 'auto' (the default when a request has tools) by parsing the "
+                        "reply with --tool-call-parser; 'required' and a named tool work without it")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call format: hermes, qwen, llama3_json or mistral")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -143,8 +149,17 @@ def _serve(ns: argparse.Namespace) -> int:
         max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
         shutdown_timeout=ns.shutdown_timeout, chat_template=read_chat_template(ns.chat_template),
         trust_request_chat_template=ns.trust_request_chat_template,
+        tool_call_parser=_tool_call_parser(ns),
         sampling_defaults=sampling_defaults(args.model, ns.generation_config))
     return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir, options=options)
+
+
+def _tool_call_parser(ns: argparse.Namespace) -> str | None:
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen, llama3_json or mistral)")
+    if ns.tool_call_parser and not ns.enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser is used by tool_choice 'auto': add --enable-auto-tool-choice")
+    return ns.tool_call_parser
 
 
 def _convert(ns: argparse.Namespace) -> int:

@@ -6,6 +6,9 @@
    meaning); with `continue_final_message` the prompt ends inside that message, so the reply continues it.
 3. Streaming sends a role chunk per choice, its content as it becomes final, then its finish reason;
    otherwise the replies are assembled at the end.
+4. Tools (server/tool_calls.py): "required" and a named function constrain the reply to calls; "auto"
+   parses the free reply with the server's --tool-call-parser. Calls go out as `tool_calls`, streamed as
+   argument pieces, and a reply that ended with calls ends with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from jaxserve.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
 from server.errors import APIError, error_response, internal_error, request_id_of
 from server.protocol import ChatCompletionRequest
-from server.responses import Usage, chat_logprobs, event_stream, prompt_logprobs_json, sse
+from server.responses import (Usage, chat_logprobs, event_stream, prompt_logprobs_json, sse, tool_call_delta_json,
+                              tool_call_json)
+from server.tool_calls import replier
 
 
 async def chat_route(api, request: Request) -> Response:
@@ -29,6 +34,13 @@ async def chat_route(api, request: Request) -> Response:
     try:
         api.require_ready()
         body: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
+        if body.tool_mode == "auto" and body.tools:
+            if not api.options.tool_call_parser:
+                raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started '
+                                    'with --enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
+                                    '"required", "none" or a named function', param="tool_choice")
+            if api.options.tool_call_parser == "mistral":
+                body.skip_special_tokens = False  # its calls start with the special token [TOOL_CALLS]
         api.admit(body.n)
         admitted = body.n
         for i, m in enumerate(body.messages):
@@ -39,7 +51,8 @@ async def chat_route(api, request: Request) -> Response:
         ids = await run_in_threadpool(api.engine.tokenizer.encode, text, body.add_special_tokens)
         prompt_ids = [api.truncate(ids, body.truncate_prompt_tokens)]
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = api.check_and_build(body, prompt_ids, body.max_tokens, logprobs)
+        # Off the event loop: a new structured-output grammar is compiled here.
+        params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs)
     except APIError as e:
         api.in_flight -= admitted
         return error_response(e)
@@ -59,27 +72,36 @@ async def chat_route(api, request: Request) -> Response:
                 "model": api.engine.model_name}
     results = api.results(request, prompt_ids, params, [text])
     usage = Usage(prompt_ids)
+    replies = replier(body, api.options.tool_call_parser)  # None: the reply is plain text
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}
+        streams = {k: replies.stream() for k in range(body.n)} if replies else {}
+
+        def choice_chunk(index: int, delta: dict, out=None, finish_reason=None, stop_reason=None) -> str:
+            choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": logprobs_of(out.new_token_ids, out.new_logprobs or []) if out else None}
+            if stop_reason is not None or finish_reason is not None:
+                choice["stop_reason"] = stop_reason
+            if out is not None and body.return_token_ids:
+                choice["token_ids"] = out.new_token_ids
+            return sse({**chunk, "choices": [choice], **_usage_if(body, usage)})
 
         async def events():
             for k in range(body.n):
-                yield sse({**chunk, "choices": [{"index": k, "delta": {"role": "assistant", "content": prefix},
-                                                 "logprobs": None, "finish_reason": None}]})
+                yield choice_chunk(k, {"role": "assistant", "content": prefix})
             async for _, out in results:
                 usage.add(out.index, out)
-                if out.new_text or (logprobs is not None and out.new_token_ids):
-                    delta = {"index": out.index, "delta": {"content": out.new_text},
-                             "logprobs": logprobs_of(out.new_token_ids, out.new_logprobs or []),
-                             "finish_reason": None}
-                    if body.return_token_ids:
-                        delta["token_ids"] = out.new_token_ids
-                    yield sse({**chunk, "choices": [delta], **_usage_if(body, usage)})
+                stream = streams.get(out.index)
+                pieces = [stream.feed(out.new_text)] if stream else []
+                if out.finished and stream:
+                    pieces.append(stream.finish())
+                delta = _delta(pieces) if stream else {"content": out.new_text} if out.new_text else {}
+                if delta or (logprobs is not None and out.new_token_ids):
+                    yield choice_chunk(out.index, delta or {"content": ""}, out)
                 if out.finished:
                     final = out.outputs[0]
-                    yield sse({**chunk, "choices": [{"index": out.index, "delta": {}, "logprobs": None,
-                                                     "finish_reason": final.finish_reason,
-                                                     "stop_reason": final.stop_reason}], **_usage_if(body, usage)})
+                    yield choice_chunk(out.index, {}, finish_reason=_finish_reason(final, stream and stream.called),
+                                       stop_reason=final.stop_reason)
             if body.include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage.as_dict()})
             yield "data: [DONE]\n\n"
@@ -98,9 +120,14 @@ async def chat_route(api, request: Request) -> Response:
     choices = []
     for k in sorted(finals):
         final = finals[k]
-        choice = {"index": k, "message": {"role": "assistant", "content": prefix + final.text},
-                  "logprobs": logprobs_of(final.token_ids, final.logprobs or []),
-                  "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
+        message = {"role": "assistant", "content": prefix + final.text}
+        parsed = replies.parse(final.text) if replies else None
+        if parsed is not None and (parsed.tool_calls or body.tool_mode != "auto"):
+            message["content"] = parsed.content
+            message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+        choice = {"index": k, "message": message, "logprobs": logprobs_of(final.token_ids, final.logprobs or []),
+                  "finish_reason": _finish_reason(final, bool(message.get("tool_calls"))),
+                  "stop_reason": final.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = final.token_ids
         choices.append(choice)
@@ -110,6 +137,21 @@ async def chat_route(api, request: Request) -> Response:
     if body.return_token_ids:
         reply["prompt_token_ids"] = prompt_ids[0]
     return JSONResponse(reply)
+
+
+def _finish_reason(final: CompletionOutput, called: bool) -> str:
+    """A reply that ended on its own with tool calls in it ends for them; one cut by max_tokens still says so."""
+    return "tool_calls" if called and final.finish_reason == "stop" else final.finish_reason
+
+
+def _delta(pieces) -> dict:
+    """One chunk's delta from a tool-call stream's output: content and tool-call pieces."""
+    content = "".join(p.content for p in pieces)
+    calls = [tool_call_delta_json(d) for p in pieces for d in p.tool_calls]
+    delta = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
 
 
 def _usage_if(body: ChatCompletionRequest, usage: Usage) -> dict:

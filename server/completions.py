@@ -41,8 +41,10 @@ async def completions_route(api, request: Request) -> Response:
             api.truncate(tok.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p),
                          body.truncate_prompt_tokens) for p in prompts])
         score_only = body.echo and body.max_tokens == 0
-        params = api.check_and_build(body, prompt_ids, 1 if score_only else body.max_tokens, body.logprobs,
-                                     prompt_logprobs=body.logprobs if body.echo else None)
+        # Off the event loop: a new structured-output grammar is compiled here.
+        params = await run_in_threadpool(api.check_and_build, body, prompt_ids,
+                                         1 if score_only else body.max_tokens, body.logprobs,
+                                         body.logprobs if body.echo else None)
         echoes = None
         if body.echo:
             echoes = [p if isinstance(p, str) else await run_in_threadpool(tok.decode, ids, False)

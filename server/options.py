@@ -22,6 +22,9 @@ class ServerOptions:
     # Sampling defaults for fields a request leaves unset (--generation-config auto: the model's
     # generation_config.json): temperature, top_p, top_k, min_p, repetition_penalty, max_tokens.
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    # tool_choice "auto": find the tool calls a reply holds with this parser (server/tool_parsers.py);
+    # None: "auto" is refused, as vLLM refuses it without --enable-auto-tool-choice.
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         if self.max_request_body_bytes < 1024:
@@ -32,6 +35,9 @@ class ServerOptions:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.tool_call_parser is not None:
+            from server.tool_parsers import get_parser
+            get_parser(self.tool_call_parser)  # ValueError naming the choices
 
 
 def read_chat_template(value: str | None) -> str | None:

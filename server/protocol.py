@@ -14,12 +14,14 @@ request left out.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import InvalidParameter, SamplingParams
+from jaxserve.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +38,6 @@ _UNSUPPORTED = {
     "spaces_between_special_tokens": (True, "spaces_between_special_tokens=false is not supported"),
     "bad_words": ([], "bad_words is not supported; use logit_bias"),
     "prompt_embeds": (None, "prompt_embeds is not supported"),
-    "structured_outputs": (None, "structured outputs are not supported yet"),
-    "guided_json": (None, "guided decoding is not supported yet"),
-    "guided_regex": (None, "guided decoding is not supported yet"),
-    "guided_choice": (None, "guided decoding is not supported yet"),
-    "guided_grammar": (None, "guided decoding is not supported yet"),
-    "guided_decoding_backend": (None, "guided decoding is not supported yet"),
-    "guided_whitespace_pattern": (None, "guided decoding is not supported yet"),
     "structural_tag": (None, "structural tags are not supported yet"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (kv_transfer_params) is not supported"),
@@ -61,15 +56,60 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # usage in every chunk, not only the last
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema and its name (`strict` is always honoured: the
+    output follows the schema whatever it says)."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    json_schema: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _only_text(self):
-        if self.type != "text":
-            raise ValueError(f"response_format {self.type!r} is not supported yet (only 'text')")
+    def _schema_when_needed(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise UnsupportedField("response_format", "response_format of type json_schema needs a json_schema")
+        if self.type == "structural_tag":
+            raise UnsupportedField("response_format", "response_format structural_tag is not supported yet")
         return self
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's `structured_outputs` field (one constraint; see jaxserve/structured.py)."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # nothing to fall back from: one grammar library serves every spec
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _no_structural_tag(self):
+        if self.structural_tag is not None:
+            raise UnsupportedField("structured_outputs", "structured_outputs.structural_tag is not supported yet")
+        return self
+
+    def spec(self, field: str = "structured_outputs") -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+            json_object=self.json_object, disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties,
+            whitespace_pattern=self.whitespace_pattern, field=field)
+
+
+# vLLM's grammar backends: every one of them is served by llguidance here (the constraint is the same).
+_GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
 class _Request(BaseModel):
@@ -112,14 +152,15 @@ class _Request(BaseModel):
     length_penalty: float = 1.0
     spaces_between_special_tokens: bool = True
     bad_words: list[str] = Field(default_factory=list)
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
     structural_tag: Any = None
+    # Structured outputs, in every spelling vLLM accepts (at most one per request): see structured_spec.
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     logits_processors: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -163,7 +204,31 @@ class _Request(BaseModel):
             raise UnsupportedField("stream_options", "stream_options can only be set when stream is true")
         if self.prompt_logprobs is not None and self.stream:
             raise UnsupportedField("prompt_logprobs", "prompt_logprobs are not available when streaming")
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in _GRAMMAR_BACKENDS:
+            raise UnsupportedField("guided_decoding_backend", f"guided_decoding_backend must be one of "
+                                   f"{', '.join(_GRAMMAR_BACKENDS)} (all are served by llguidance)")
         return self
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, whichever field carries it; InvalidParameter naming the field
+        when it is bad or when more than one field carries one."""
+        specs = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            specs.append(StructuredOutputsParams(json_object=True, field="response_format"))
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            specs.append(StructuredOutputsParams(json=self.response_format.json_schema.json_schema,
+                                                 field="response_format.json_schema"))
+        if self.structured_outputs is not None:
+            specs.append(self.structured_outputs.spec())
+        ws = self.guided_whitespace_pattern
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                specs.append(StructuredOutputsParams(**{kind: getattr(self, name)}, whitespace_pattern=ws, field=name))
+        if len(specs) > 1:
+            raise InvalidParameter(specs[1].field, f"{specs[0].field} and {specs[1].field} both constrain the "
+                                   f"output: give one")
+        return specs[0] if specs else None
 
     @property
     def unknown_fields(self) -> list[str]:
@@ -192,7 +257,7 @@ class _Request(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
-            cache_salt=self.cache_salt)
+            cache_salt=self.cache_salt, structured_outputs=self.structured_spec())
 
 
 class UnsupportedField(ValueError):
@@ -255,11 +320,50 @@ class ChatMessage(BaseModel):
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(part.text for part in self.content)
+        # An earlier reply's tool calls come back with their arguments as JSON text (OpenAI's shape); chat
+        # templates write them with `tojson` or iterate over them, so they get the object.
+        for call in data.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # not JSON: the template gets the text as it came
         return data
 
     @property
     def text(self) -> str:
         return self.for_template().get("content", "") or ""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema for the arguments object
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value):
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters must be a JSON Schema of type object")
+        return value
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Request):
@@ -275,9 +379,9 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    tools: list[dict] | None = None
-    tool_choice: Literal["none"] | None = None  # tool calling proper comes with structured outputs
-    parallel_tool_calls: bool | None = None  # only meaningful with tool calls
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=256)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool | None = None  # several calls per reply (what `required` allows, and parsers read)
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # handed to the chat template
     include_reasoning: bool = True
     mm_processor_kwargs: Any = None
@@ -294,21 +398,44 @@ class ChatCompletionRequest(_Request):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise UnsupportedField("continue_final_message", "continue_final_message needs a final assistant "
                                    "message to continue")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"  # OpenAI's default
+        if self.tool_choice in ("auto", "none"):
+            return self
+        if not self.tools:
+            raise UnsupportedField("tool_choice", "tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
+            raise UnsupportedField("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is "
+                                   f"not among the tools")
         return self
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, value):
-        if value not in (None, "none"):
-            raise UnsupportedField("tool_choice", "tool calling is not supported yet: tool_choice must be 'none'")
-        return value
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or named (one given function)."""
+        return "named" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+
+    def named_tool(self) -> FunctionDefinition | None:
+        name = self.tool_choice.function.name
+        return next((t.function for t in self.tools or () if t.function.name == name), None)
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """`required` and a named tool constrain the reply like a JSON Schema (server/tool_calls.py); that
+        leaves no room for another constraint."""
+        from server.tool_calls import tool_choice_spec
+        spec, forced = super().structured_spec(), tool_choice_spec(self)
+        if spec is not None and forced is not None:
+            raise InvalidParameter("tool_choice", f"tool_choice {self.tool_mode} and {spec.field} both constrain "
+                                   f"the reply: give one")
+        return forced or spec
 
     def template_variables(self) -> dict:
         """What the chat template sees besides the messages."""
         variables = dict(self.chat_template_kwargs or {})
-        for name in ("tools", "documents", "reasoning_effort"):
+        for name in ("documents", "reasoning_effort"):
             if getattr(self, name) is not None:
                 variables[name] = getattr(self, name)
+        if self.tools:
+            variables["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return variables
 
 

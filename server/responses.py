@@ -73,6 +73,22 @@ def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list 
                                     for t, v in e.items()} for e in entries]
 
 
+def tool_call_json(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_json(delta) -> dict:
+    """A streamed piece of a tool call: its first piece carries the id and name, later ones argument text."""
+    out = {"index": delta.index}
+    if delta.id is not None:
+        out.update(id=delta.id, type="function")
+    function = {"arguments": delta.arguments}
+    if delta.name is not None:
+        function["name"] = delta.name
+    out["function"] = function
+    return out
+
+
 class Usage:
     """Token counts of one response: prompts once each (not per choice), completions over every choice."""
 
