@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
-from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput, logprob_entries
+from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, logprob_entries
 from jaxserve.runner import ModelRunner, StepOutput
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Request, Scheduler, Status
-from jaxserve.structured import CLOSE_MARGIN, GrammarCompiler, Matcher
+from jaxserve.structured import CLOSE_MARGIN, GUARD_WINDOW, GrammarCompiler, Matcher
 from jaxserve.tokenizer import IncrementalDetokenizer
 from sharding import multihost
 
@@ -65,6 +65,8 @@ class _Tracked:
         self.matcher: Matcher | None = None  # structured outputs: the choice's place in its grammar
         self.closing: list[int] | None = None  # the tokens still to force to end the grammar within budget
         self.next_walk = 0  # tokens the choice will have when it next looks for a way out (Engine._closing_token)
+        self.guarded = False  # close to its budget: each free draw is checked before it is kept (_guard_token)
+        self.gap = self.margin = 0  # spare draws beyond the way out, and how few of them trigger closing
 
 
 class CompileCounter:
@@ -322,17 +324,49 @@ class Engine:
         drawn = request.num_tokens - 1  # the draw being planned is already counted as pending
         if tracked.closing is None and drawn >= tracked.next_walk:
             left = request.max_len - drawn  # draws left, this one included
-            path = self.grammars.closing(tracked.matcher, 2 * left + CLOSE_MARGIN)
-            way_out = len(path) if path is not None else 2 * left + CLOSE_MARGIN
-            # One free draw can lengthen the way out a lot (entering an object whose required fields must all
-            # be written): keep a margin that grows with it. Best effort: a bigger jump still cuts the output.
-            margin = CLOSE_MARGIN + way_out // 2
-            gap = left - way_out
-            if path is not None and gap <= margin:
-                tracked.closing = path
-            # Each free draw shrinks the gap by about CLOSE_MARGIN + 1 at most: walk again before it can close.
-            tracked.next_walk = drawn + max(1, (gap - margin) // (CLOSE_MARGIN + 1))
+            self._plan_closing(tracked, self.grammars.closing(tracked.matcher, 2 * left + CLOSE_MARGIN), left, drawn)
         return tracked.closing.pop(0) if tracked.closing else None
+
+    @staticmethod
+    def _plan_closing(tracked: _Tracked, path: list[int] | None, left: int, drawn: int) -> None:
+        """Given the way out found with `left` draws to go after `drawn` tokens: close now, or guard each
+        draw from now on, or walk again later."""
+        way_out = len(path) if path is not None else 2 * left + CLOSE_MARGIN
+        # One free draw can lengthen the way out a lot (entering an object whose required fields must all be
+        # written): keep a margin that grows with it; the guard catches the jumps the margin misses.
+        margin = CLOSE_MARGIN + way_out // 2
+        gap = left - way_out
+        tracked.gap, tracked.margin = gap, margin
+        if path is not None and gap <= margin:
+            tracked.closing, tracked.guarded = path, False
+            return
+        tracked.guarded = path is not None and gap <= margin + GUARD_WINDOW
+        # Unguarded, each free draw shrinks the gap by about CLOSE_MARGIN + 1: walk again before it can close.
+        tracked.next_walk = drawn + (1 if tracked.guarded else max(1, (gap - margin) // (CLOSE_MARGIN + 1)))
+
+    def _guard_token(self, tracked: _Tracked, token: int) -> tuple[int, bool]:
+        """A guarded choice's draw, before it is kept: if the way out after it no longer fits the draws left,
+        take the first token of the way out from before it instead (the draw was not fed to the model yet,
+        so nothing is undone on the device; only the penalty counts saw the drawn token). Returns the token
+        to keep and whether it was replaced. The way out found after a kept token plans the next draw."""
+        request = tracked.request
+        if token in self.tokenizer.eos_token_ids:
+            return token, False
+        tokens_after = len(request.token_ids) + 1
+        if self.grammars.keeps_way_out(tracked.matcher, token):  # most draws: no walk needed
+            tracked.gap -= 1
+            tracked.next_walk = tokens_after + (tracked.gap > tracked.margin)  # walk, and close, once it is spent
+            return token, False
+        left = request.max_len - tokens_after  # draws left once this token is kept
+        after = self.grammars.closing(tracked.matcher, 2 * left + CLOSE_MARGIN, after=token)
+        if after is not None and len(after) <= left:
+            self._plan_closing(tracked, after, left, tokens_after)
+            return token, False
+        instead = self.grammars.closing(tracked.matcher, left + 1)
+        if instead is None:  # no way out from before the draw either: keep it (best effort)
+            return token, False
+        tracked.closing, tracked.guarded = instead[1:], False
+        return instead[0], True
 
     def _process(self, done: StepOutput) -> list[RequestOutput]:
         tokens = done.tokens()
@@ -348,11 +382,15 @@ class Engine:
                 self._record_prompt_logprobs(tracked, chunk, first_row, results)
             first_row += chunk.num_tokens
             if chunk.samples:
-                token = int(tokens[row])
+                token, replaced = int(tokens[row]), False
+                if tracked is not None and tracked.guarded and chunk.epoch == chunk.request.epoch:
+                    token, replaced = self._guard_token(tracked, token)
                 if self.scheduler.accept_token(chunk, token):
                     entry = None
                     k = chunk.request.params.logprobs
-                    if k is not None:
+                    if replaced and k is not None:  # forced, as a closing token is: probability 1
+                        entry = {token: Logprob(0.0, 1, self.tokenizer.token_str(token))}
+                    elif k is not None:
                         entry = logprob_entries(token, results.sample_logprob[row], results.sample_rank[row],
                                                 results.top_ids[row], results.top_logprobs[row], k,
                                                 self.tokenizer.token_str)

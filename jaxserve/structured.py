@@ -129,6 +129,10 @@ class Matcher:
 _OUTSIDE_STRING = {b"}": 1, b"]": 1, b":": 2, b'"': 3, b"0": 4, b",": 5}
 _INSIDE_STRING = {b'"': 1}
 CLOSE_MARGIN = 6  # one free draw may lengthen the way out by about this much (a token like `{"` opens two things)
+# Within this many spare draws of the way out, every free draw is checked before it is kept: one that
+# enters a structure too long to finish in the budget (an object with required fields) is replaced by the
+# first token of the way out.
+GUARD_WINDOW = 48
 
 
 def _scan_json(in_string: bool, escaped: bool, data: bytes) -> tuple[bool, bool]:
@@ -203,13 +207,26 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def closing(self, matcher: Matcher, budget: int) -> list[int] | None:
-        """A way to the end of the grammar from where `matcher` is, at most `budget` tokens long (ending in
-        EOS, or with the grammar complete), or None if the walk finds none. The matcher does not move."""
+    def closing(self, matcher: Matcher, budget: int, after: int | None = None) -> list[int] | None:
+        """A way to the end of the grammar from where `matcher` is (or from after token `after` there), at
+        most `budget` tokens long (ending in EOS, or with the grammar complete), or None if the walk finds
+        none. The matcher does not move."""
         walk, path = matcher._m.deep_copy(), []
         in_string, escaped = matcher.in_string, matcher.escaped
+        if after is not None:
+            if not walk.consume_token(after):
+                return None
+            in_string, escaped = _scan_json(in_string, escaped, self._token_bytes[after])
         eos = self._ll_tokenizer.eos_tokens
         while len(path) < budget and not walk.is_stopped():
+            forced = walk.compute_ff_tokens()[:budget - len(path)]  # text the grammar allows alone (a key)
+            if forced:
+                if not walk.consume_tokens(forced):  # llguidance's own tokens: never refused
+                    return None
+                path.extend(forced)
+                for token in forced:
+                    in_string, escaped = _scan_json(in_string, escaped, self._token_bytes[token])
+                continue
             bits = np.frombuffer(walk.compute_bitmask(), np.uint8)
             # The favourites settle most steps with a few bit tests; the full ranking is the fallback.
             token = next((t for t in self._favourites[in_string] if bits[t >> 3] >> (t & 7) & 1), None)
@@ -225,6 +242,16 @@ class GrammarCompiler:
                 return None
             in_string, escaped = _scan_json(in_string, escaped, self._token_bytes[token])
         return path if walk.is_stopped() else None
+
+    def keeps_way_out(self, matcher: Matcher, token: int) -> bool:
+        """Whether `token` leaves the way to the end of the grammar as it is: text that stays inside a JSON
+        string, or whitespace between JSON tokens. Such a draw spends one token of the budget and nothing else."""
+        data = self._token_bytes[token]
+        if not data:
+            return False
+        if matcher.in_string:
+            return not matcher.escaped and b'"' not in data and b"\\" not in data
+        return data.isspace()
 
     def _build_preferences(self) -> None:
         """Each token's bytes, and how much the closing walk likes it outside / inside a string."""

@@ -88,6 +88,32 @@ def test_an_output_cut_by_its_budget_still_parses_and_says_length(stories16):
     assert out.finish_reason == "length" and len(out.token_ids) <= 80
 
 
+# Items of `friends` have two required fields: a draw that opens one lengthens the way out by a dozen tokens.
+CLUB = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+        "friends": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "close": {"type": "boolean"}},
+            "required": ["name", "close"]}},
+    },
+    "required": ["name", "mood", "friends"],
+}
+
+
+@pytest.mark.parametrize("max_tokens", [64, 96])
+def test_a_draw_that_opens_a_structure_near_the_budget_is_replaced_by_the_way_out(stories16, max_tokens):
+    """Near the budget, a free draw that enters an array item with required fields lengthens the way out by
+    more than any margin; the guard replaces such a draw with the way out, so every output still parses."""
+    spec = StructuredOutputsParams(json=CLUB)
+    outputs = stories16.generate([f"Person {i}:" for i in range(48)], [SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=spec) for seed in range(48)])
+    for o in outputs:
+        jsonschema.validate(json.loads(o.outputs[0].text), CLUB)
+        assert len(o.outputs[0].token_ids) <= max_tokens
+
+
 def test_unconstrained_requests_are_untouched_by_constrained_neighbours(stories16):
     engine = stories16.engine
     plain = [SamplingParams(temperature=0.8, seed=s, max_tokens=40) for s in range(4)]
