@@ -165,9 +165,25 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
 
 
 def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    vocab = logits.shape[-1]
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
+    # The filters cost a vocab-sized sort per row: skip it when no row sets one (vLLM's defaults). A row
+    # without filters keeps every token on either branch, so what its neighbours ask never changes its draw.
+    filtering = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    keep = jax.lax.cond(jnp.any(filtering), lambda: _kept_by_filters(scaled, params),
+                        lambda: jnp.ones(scaled.shape, jnp.bool_))
+    masked = jnp.where(keep | ~filtering[:, None], scaled, -jnp.inf)
+
+    def draw(seed, step, row):
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
+        return jax.random.categorical(key, row)
+
+    return jax.vmap(draw)(params.seed, params.step, masked).astype(jnp.int32)
+
+
+def _kept_by_filters(scaled: jax.Array, params: SamplingArrays) -> jax.Array:
+    """[rows, vocab] bool: the tokens top-k, top-p and min-p keep, in token order."""
+    vocab = scaled.shape[-1]
     # One descending sort serves top-k, top-p and min-p.
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -182,12 +198,5 @@ def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     # Back in token order before the draw: the noise each token gets must follow its id, not its rank. By
     # rank, two near-equal logits that swap places (rounding differs between batch shapes) would swap
     # noise, and a seeded request would draw differently depending on what shares its batch.
-    rows = jnp.arange(logits.shape[0])[:, None]
-    keep = jnp.zeros_like(keep).at[rows, order].set(keep)
-    masked = jnp.where(keep, scaled, -jnp.inf)
-
-    def draw(seed, step, row):
-        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), step)
-        return jax.random.categorical(key, row)
-
-    return jax.vmap(draw)(params.seed, params.step, masked).astype(jnp.int32)
+    rows = jnp.arange(scaled.shape[0])[:, None]
+    return jnp.zeros_like(keep).at[rows, order].set(keep)

@@ -87,6 +87,17 @@ def test_seed_and_step_fix_the_draw_whatever_the_batch():
     assert len(seeds) > 2  # different seeds do differ
 
 
+def test_a_row_without_filters_draws_the_same_whether_neighbours_filter_or_not():
+    """Only a batch where some row sets top-k/top-p/min-p pays for the sort; a row that sets none must not
+    notice which branch ran (top_p = 1 keeps every token, even where the cumulative mass rounds to 1)."""
+    logits = np.random.default_rng(0).normal(0, 0.01, 32000).astype(np.float32)
+    rows = [SlotSampling(temperature=1.0, seed=s, step=3) for s in range(64)]
+    alone = draw(rows, logits)
+    with_filtering_neighbour = draw(rows + [SlotSampling(temperature=1.0, top_k=5, seed=1)], logits)[:64]
+    np.testing.assert_array_equal(alone, with_filtering_neighbour)
+    assert len(set(alone.tolist())) > 50  # the draws spread over the flat distribution
+
+
 @pytest.mark.parametrize("big_seed", [2**40 + 5, 2**63 - 1])
 def test_64_bit_seeds_are_accepted(big_seed):
     assert 0 <= draw([SlotSampling(temperature=1.0, seed=big_seed)])[0] < VOCAB
