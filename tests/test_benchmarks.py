@@ -59,3 +59,16 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
         assert r["mean_context"] >= 24 and r["kv_bytes_read"] > 0
     model = next(r for r in details["timings"] if r["bench"] == "e2e model")
     assert model["layers"] == 2 and model["param_bytes"] > 0 and model["backend"] == "pallas-triton (interpret)"
+
+
+def test_structured_masking_benchmark_runs_on_stories260k(capsys):
+    bench = load("structured_masking")
+    argv = ["--model", str(ROOT.parent / "shared" / "models" / "stories260K"), "--concurrency", "4",
+            "--rounds", "1"]
+    assert bench.main(argv) == 0  # it asserts itself that nothing recompiled
+    out = capsys.readouterr().out
+    details = json.loads(out.splitlines()[0])
+    assert details["vocab"] == 512 and len(details["json_schema_tok_s"]) == 1
+    assert details["json_valid"] == details["json_total"] == 4  # every constrained output is JSON
+    assert "| unconstrained |" in out and "| JSON Schema |" in out
+    assert "Reproduce: ./dev run python benchmarks/structured_masking.py --model" in out
