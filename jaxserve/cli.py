@@ -205,17 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stored precision (auto: the checkpoint's own)")
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
+
+    from jaxserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = sys.argv[1:] if argv is None else list(argv)  # reports quote the command that made them
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: an optional dependency is missing
         parser.exit(2, f"jaxserve: error: {e}\n")
 
 

@@ -1,0 +1,100 @@
+"""`jaxserve bench`: serve against a real test server (stories260K), latency and throughput offline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxserve.bench.cli import main as bench
+from jaxserve.engine_args import EngineArgs
+from tests.server_harness import free_port, running_server, scrape
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir):
+    with running_server(EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64)) as running:
+        yield running[0]
+
+
+def test_bench_serve_reports_vllm_metrics_that_agree_with_the_server(server, stories_dir, tmp_path, capsys):
+    before = scrape(server)
+    result_file, plots = tmp_path / "result.json", tmp_path / "plots"
+    assert bench(["serve", "--base-url", server, "--tokenizer", str(stories_dir), "--num-prompts", "6",
+                  "--random-input-len", "16", "--random-output-len", "12", "--random-range-ratio", "0.5",
+                  "--max-concurrency", "1,3", "--goodput", "ttft:60000", "tpot:60000", "--no-progress", "--num-warmups", "0",
+                  "--save-result", str(result_file), "--plot", str(plots), "--label", "jaxserve"]) == 0
+    after = scrape(server)
+    out = capsys.readouterr().out
+    assert "| concurrency |" in out and "goodput at concurrency 3" in out
+
+    report = json.loads(result_file.read_text())
+    assert report["model"] == "stories260K" and report["endpoint"] == "completions"
+    assert [level["max_concurrency"] for level in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        m = level["metrics"]
+        assert m["completed"] == 6 and m["failed"] == 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            stats = m[key]
+            assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], key
+            assert stats["median"] == pytest.approx(stats["p50"])
+        assert m["ttft_ms"]["median"] <= m["e2el_ms"]["median"]
+        assert m["goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: every request is good
+        assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / m["duration_s"])
+        assert len(m["ttfts_ms"]) == 6 and len(m["output_lens"]) == 6
+    # Output tokens are the server's own count: the sum over both levels equals its counter's increase.
+    generated = after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"]
+    assert sum(level["metrics"]["total_output_tokens"] for level in report["levels"]) == generated
+
+    # The plots are real PNGs with something drawn on them.
+    import matplotlib.image
+    for name in ("throughput.png", "latency.png", "cdf.png"):
+        image = matplotlib.image.imread(plots / name)
+        assert image.shape[0] > 200 and image.shape[1] > 200 and np.asarray(image).std() > 0.01
+
+
+def test_bench_plot_draws_several_results_on_the_same_axes(server, tmp_path):
+    files = []
+    for label in ("one", "two"):
+        path = tmp_path / f"{label}.json"
+        assert bench(["serve", "--base-url", server, "--num-prompts", "2", "--random-input-len", "8",
+                      "--random-output-len", "4", "--max-concurrency", "1,2", "--no-progress", "--label", label,
+                      "--save-result", str(path)]) == 0
+        files.append(str(path))
+    assert bench(["plot", *files, "--out", str(tmp_path / "both")]) == 0
+    assert (tmp_path / "both" / "throughput.png").stat().st_size > 1000
+
+
+def test_chat_and_prefix_repetition_datasets(server, stories_dir, tmp_path, capsys):
+    conversations = tmp_path / "chats.jsonl"
+    conversations.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 5}) for p in ("Once", "The dog")))
+    assert bench(["serve", "--base-url", server, "--dataset-name", "jsonl", "--dataset-path", str(conversations),
+                  "--num-prompts", "4", "--no-progress"]) == 0
+    assert bench(["serve", "--base-url", server, "--dataset-name", "prefix-repetition", "--tokenizer",
+                  str(stories_dir), "--prefix-len", "32", "--suffix-len", "4", "--num-prefixes", "2",
+                  "--random-output-len", "4", "--num-prompts", "6", "--no-progress"]) == 0
+    assert capsys.readouterr().out.count("| concurrency |") == 2
+
+
+def test_a_server_that_refuses_connections_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench(["serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["latency", "throughput"])
+def test_offline_benchmarks_run_on_stories260k(kind, stories_dir, tmp_path, capsys):
+    out_file = tmp_path / f"{kind}.json"
+    extra = ["--batch-size", "2", "--num-iters", "2"] if kind == "latency" else ["--num-prompts", "8"]
+    assert bench([kind, "--model", str(stories_dir), "--input-len", "16", "--output-len", "8",
+                  "--output-json", str(out_file), *extra]) == 0
+    result = json.loads(out_file.read_text())
+    assert result["compilations_while_timed"] == 0 and result["command"].startswith("jaxserve bench")
+    if kind == "latency":
+        assert len(result["latencies_s"]) == 2 and 0 < result["prefill_latency_s"] < result["avg_latency_s"]
+        assert result["decode_tokens_per_s"] > 0
+    else:
+        assert result["output_tokens_per_s"] == pytest.approx(8 * 8 / result["elapsed_s"])
