@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import logging
 import queue
-import threading
 import time
 import uuid
 from typing import Sequence
@@ -35,7 +34,7 @@ import numpy as np
 
 from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, logprob_entries
-from jaxserve.runner import ModelRunner, StepOutput
+from jaxserve.runner import CompilationEvents, ModelRunner, StepOutput, WarmupReport
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.scheduler import Request, Scheduler, Status
 from jaxserve.structured import CLOSE_MARGIN, GUARD_WINDOW, GrammarCompiler, Matcher
@@ -69,31 +68,11 @@ class _Tracked:
         self.gap = self.margin = 0  # spare draws beyond the way out, and how few of them trigger closing
 
 
-class CompileCounter:
-    """Counts XLA programs lowered in this process (each new jitted shape is one)."""
-
-    _EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-    _lock = threading.Lock()
-    count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if not cls._installed:
-                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-                cls._installed = True
-
-    @classmethod
-    def _on_event(cls, event: str, duration: float, **_) -> None:
-        if event == cls._EVENT:
-            cls.count += 1
-
-
 class Engine:
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
         """`built`: a model assembled by the caller (`engine_args.build_from_module`); default: `build_model(args)`."""
-        CompileCounter.install()
+        CompilationEvents.install()
+        started = time.perf_counter()
         self.args = args
         built = built or build_model(args)
         self.model_config = built.model_config
@@ -113,6 +92,10 @@ class Engine:
         self._choices: dict[str, list[str]] = {}  # request id -> its choices' scheduler request ids
         self._in_flight: StepOutput | None = None  # the dispatched step whose samples are not read yet
         self.compilations_at_warmup: int | None = None
+        self.warmup_report: WarmupReport | None = None
+        # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
+        self.startup_seconds = {"weights": built.weights_seconds}
+        self._started = started
         self.stats = EngineStats()
         self.step_count = 0
         # Steps between an abort() call and the step that freed the request: the latency tests assert on.
@@ -125,17 +108,22 @@ class Engine:
                     self.runner.kv_cache.num_bytes / 1e6,
                     "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+        self.startup_seconds["kv_cache"] = time.perf_counter() - started - built.weights_seconds
 
     # ---- warm-up and compile accounting -------------------------------------------------------------
 
     def warmup(self) -> float:
         start = time.perf_counter()
         if self.is_leader:
-            self.runner.warmup()
+            self.warmup_report = self.runner.warmup()
             self.end_call()
         else:
             self.follow()
-        self.compilations_at_warmup = CompileCounter.count
+        self.compilations_at_warmup = CompilationEvents.lowered
+        self.startup_seconds["compile"] = time.perf_counter() - start
+        self.startup_seconds["total"] = time.perf_counter() - self._started
+        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs",
+                    *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")))
         return time.perf_counter() - start
 
     @property
@@ -157,7 +145,7 @@ class Engine:
     def compilations_since_warmup(self) -> int:
         if self.compilations_at_warmup is None:
             return 0
-        return CompileCounter.count - self.compilations_at_warmup
+        return CompilationEvents.lowered - self.compilations_at_warmup
 
     # ---- requests -----------------------------------------------------------------------------------
 

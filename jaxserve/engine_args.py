@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -92,6 +93,7 @@ class BuiltModel:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     sampler_config: SamplerConfig
+    weights_seconds: float = 0.0  # reading (or building) the weights onto the devices
 
 
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -123,6 +125,7 @@ def default_token_budget(max_num_seqs: int, platform: str) -> int:
 def build_model(args: EngineArgs) -> BuiltModel:
     config = demo_model_config() if args.model is None else ModelConfig.from_pretrained(args.model)
     plan = _mesh_plan(args, config)
+    start = time.perf_counter()
     if args.model is None:
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
@@ -134,7 +137,8 @@ def build_model(args: EngineArgs) -> BuiltModel:
         tokenizer = Tokenizer.from_pretrained(args.model)
         model = load_sharded(args.model, config, dtype, plan)
         name = Path(args.model).resolve().name
-    return _finish_build(args, name, model, config, tokenizer, dtype)
+    built = _finish_build(args, name, model, config, tokenizer, dtype)
+    return dataclasses.replace(built, weights_seconds=time.perf_counter() - start)
 
 
 def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,

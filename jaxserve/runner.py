@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 
 import jax
@@ -119,6 +120,7 @@ class ModelRunner:
         # on the device, so unconstrained steps transfer nothing for it.
         self.mask_words = (model_config.vocab_size + 31) // 32
         self._open_masks = {b: jax.device_put(self.open_masks(layout), rep) for b, layout in self.layouts.items()}
+        self._compiled: dict[int, jax.stages.Compiled] = {}  # token bucket -> its step, compiled by warmup()
         # Per slot (and one scratch row for padding): see jaxserve/logits.py.
         state_shape = (scheduler_config.max_num_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
@@ -182,9 +184,10 @@ class ModelRunner:
                   with_logits: bool) -> StepOutput:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
-        self.kv_cache, self.sampler_state, results, logits = self._step(
-            self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks,
-            layout, with_logits)
+        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
+        compiled = None if with_logits else self._compiled.get(layout.tokens)
+        step = compiled(*args) if compiled is not None else self._step(*args, layout, with_logits)
+        self.kv_cache, self.sampler_state, results, logits = step
         self._prev_samples = results.samples
         results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
         return StepOutput(plan, results, logits)
@@ -224,23 +227,68 @@ class ModelRunner:
             self._dispatch(None, layout, np.asarray(ints), np.asarray(floats), masks, bool(flag & _WITH_LOGITS))
             steps += 1
 
-    def warmup(self) -> float:
-        """Compile the step of every token bucket; returns seconds spent."""
-        start = time.perf_counter()
+    def warmup(self) -> WarmupReport:
+        """Compile the step of every token bucket ahead of time, running none of them: a full-size prefill
+        bucket of a big model costs seconds to run and teaches the compiler nothing."""
+        start, hits = time.perf_counter(), CompilationEvents.cache_hits
         layouts = list(self.layouts.values())
         with tqdm(total=len(layouts), desc="Compiling", unit="program") as bar:
             for layout in layouts:
-                # No sequences: every token writes to the null page, so real cache pages stay untouched.
-                self._lead(None, layout, *layout.empty(self.builder.scratch_slot), None, with_logits=False).tokens()
+                if self.plan.process_count > 1:
+                    # Every process must compile the program its collectives run: the followers compile when
+                    # the leader's step reaches them. No sequences: every token writes to the null page.
+                    self._lead(None, layout, *layout.empty(self.builder.scratch_slot), None, with_logits=False).tokens()
+                else:
+                    ints, floats = layout.empty(self.builder.scratch_slot)
+                    self._compiled[layout.tokens] = self._step.lower(
+                        self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats,
+                        self._open_masks[layout.tokens], layout, False).compile()
                 bar.update()
         self._prev_samples = self._no_samples
-        elapsed = time.perf_counter() - start
-        logger.info("warm-up compiled %d step programs (token buckets %s) in %.1fs", len(layouts),
-                    ",".join(map(str, self.layouts)), elapsed)
-        return elapsed
+        report = WarmupReport(len(layouts), CompilationEvents.cache_hits - hits, time.perf_counter() - start)
+        logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent compilation cache",
+                    report.programs, ",".join(map(str, self.layouts)), report.seconds, report.cache_hits)
+        return report
 
 
 _WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag (multi-host)
+
+
+@dataclasses.dataclass
+class WarmupReport:
+    programs: int  # step programs compiled
+    cache_hits: int  # of those, loaded from the persistent compilation cache
+    seconds: float
+
+
+class CompilationEvents:
+    """What JAX compiles in this process, from its monitoring events: programs lowered (each new jitted
+    shape is one) and persistent-cache hits."""
+
+    _LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+    _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+    _lock = threading.Lock()
+    lowered = 0
+    cache_hits = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if not cls._installed:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+                jax.monitoring.register_event_listener(cls._on_event)
+                cls._installed = True
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **_) -> None:
+        if event == cls._LOWERED:
+            cls.lowered += 1
+
+    @classmethod
+    def _on_event(cls, event: str, **_) -> None:
+        if event == cls._CACHE_HIT:
+            cls.cache_hits += 1
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -125,8 +125,10 @@ def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPl
     else:
         arrays, kind = fill_from_reader(entries, SafetensorsReader(model_dir)), "safetensors"
     model = assemble(arrays, config, dtype, plan)
-    logger.info("loaded %d tensors (%.1f MB on the mesh) from %s (%s) as %s in %.1fs", len(entries),
-                model.num_bytes / 1e6, model_dir, kind, jnp.dtype(dtype).name, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    logger.info("weights: %d tensors, %.1f MB on the mesh, from %s (%s) as %s in %.1fs (%.2f GB/s)", len(entries),
+                model.num_bytes / 1e6, model_dir, kind, jnp.dtype(dtype).name, seconds,
+                model.num_bytes / 1e9 / max(seconds, 1e-9))
     return model
 
 

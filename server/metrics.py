@@ -41,7 +41,11 @@ class _EngineStateCollector:
         preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
         queries.add_metric([], scheduler.prefix_cache_queries if scheduler else 0)
         hits.add_metric([], scheduler.prefix_cache_hits if scheduler else 0)
-        yield from (running, waiting, usage, compiles, preemptions, queries, hits)
+        startup = GaugeMetricFamily("jaxserve:startup_seconds", "Seconds each start-up phase took (total: to ready)",
+                                    labels=["phase"])
+        for phase, seconds in (engine.startup_seconds.items() if ready else ()):
+            startup.add_metric([phase], seconds)
+        yield from (running, waiting, usage, compiles, preemptions, queries, hits, startup)
 
 
 class Metrics:

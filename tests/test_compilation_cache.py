@@ -10,23 +10,38 @@ events = collections.Counter()
 jax.monitoring.register_event_listener(lambda event, **_: events.update([event.rsplit('/', 1)[-1]]))
 from server.serve import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
-from jaxserve import Engine, EngineArgs
-Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)).warmup()
+from jaxserve import Engine, EngineArgs, SamplingParams
+engine = Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16))
+engine.warmup()
+report = engine.warmup_report
+engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=8))  # prefill chunks + decodes
+while engine.has_unfinished():
+    engine.step()
+print('report', report.programs, report.cache_hits, engine.compilations_since_warmup, sorted(engine.startup_seconds))
 print('cache', events['cache_hits'], events['cache_misses'])
 """
 
 
-def _warmup_cache_use(cache_dir) -> tuple[int, int]:
-    """(hits, misses) of the persistent cache over one process's engine start and warm-up."""
+def _warmup_cache_use(cache_dir) -> tuple[int, int, str]:
+    """(hits, misses) of the persistent cache over one process's engine start and warm-up, and the engine's
+    own report: programs compiled, of those from the cache, compilations after warm-up, start-up phases."""
     out = subprocess.run([sys.executable, "-c", WARMUP_AND_COUNT_HITS, str(cache_dir)], capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr
     hits, misses = out.stdout.split("cache")[-1].split()
-    return int(hits), int(misses)
+    return int(hits), int(misses), out.stdout.split("report ")[1].split("\n")[0]
 
 
-def test_restart_compiles_from_cache(tmp_path):
-    _, misses = _warmup_cache_use(tmp_path)
+PHASES = "['compile', 'kv_cache', 'total', 'weights']"
+
+
+def test_restart_compiles_from_cache_and_reports_every_program_as_a_hit(tmp_path):
+    _, misses, report = _warmup_cache_use(tmp_path)
     assert misses > 0 and any(tmp_path.iterdir())  # first start: programs compiled and written
-    hits, misses = _warmup_cache_use(tmp_path)
+    programs, hits, after, phases = report.split(" ", 3)
+    # Warm-up compiled every program ahead of time: a workload that uses several buckets compiles nothing.
+    assert int(programs) > 1 and int(hits) == 0 and int(after) == 0 and phases == PHASES
+    hits, misses, report = _warmup_cache_use(tmp_path)
     assert misses == 0 and hits > 0  # restart: every program comes from the cache
+    programs, report_hits, after, _ = report.split(" ", 3)
+    assert int(report_hits) == int(programs) and int(after) == 0

@@ -37,7 +37,8 @@ def test_readme_serve_command_and_curl_example(tmp_path):
         startup = log.read()
         assert "built-in demo model" in startup
         assert re.search(r"float32 weights, attention kernels: blocked", startup)
-        assert "warm-up compiled" in startup
+        assert re.search(r"compiled \d+ step programs .* from the persistent compilation cache", startup)
+        assert re.search(r"ready in [0-9.]+s: weights", startup)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

@@ -271,3 +271,14 @@ def test_prefix_cache_metrics_and_cache_salt(server):
     assert send([7, 8], salt="b")["hits"] == 0  # another salt shares nothing
     assert send([9])["hits"] == 0  # nor does no salt
     assert send([9, 10])["hits"] == 96
+
+
+def test_metrics_report_each_startup_phase(server):
+    base, _ = server
+    text = httpx.get(f"{base}/metrics").text
+    phases = {}
+    for line in text.splitlines():
+        if line.startswith("jaxserve:startup_seconds{"):
+            phases[line.split('phase="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    assert set(phases) == {"weights", "kv_cache", "compile", "total"}
+    assert phases["total"] >= phases["weights"] + phases["compile"] and phases["compile"] > 0
