@@ -92,6 +92,14 @@ class OpenAIServer:
                            headers={"Retry-After": "1"})
         self.in_flight += n
 
+    def fail_before_engine(self, admitted: int, error: BaseException) -> Response:
+        """A request failed before it reached the engine: give back its `admitted` queue places. An APIError
+        becomes its error response; anything else propagates."""
+        self.in_flight -= admitted
+        if isinstance(error, APIError):
+            return error_response(error)
+        raise error
+
     async def parse(self, request: Request, schema):
         raw = await request.body()  # already bounded by the guard
         try:

@@ -53,12 +53,8 @@ async def chat_route(api, request: Request) -> Response:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         # Off the event loop: a new structured-output grammar is compiled here.
         params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs)
-    except APIError as e:
-        api.in_flight -= admitted
-        return error_response(e)
-    except BaseException:
-        api.in_flight -= admitted
-        raise
+    except BaseException as e:
+        return api.fail_before_engine(admitted, e)
     last = body.messages[-1]
     prefix = last.text if body.echo and last.role == "assistant" else ""
     token_str = api.engine.tokenizer.token_str

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
-from server.errors import APIError, error_response, internal_error, request_id_of
+from server.errors import error_response, internal_error, request_id_of
 from server.protocol import CompletionRequest
 from server.responses import Usage, completion_logprobs, event_stream, prompt_logprobs_json, sse
 
@@ -49,12 +49,8 @@ async def completions_route(api, request: Request) -> Response:
         if body.echo:
             echoes = [p if isinstance(p, str) else await run_in_threadpool(tok.decode, ids, False)
                       for p, ids in zip(prompts, prompt_ids)]
-    except APIError as e:
-        api.in_flight -= admitted
-        return error_response(e)
-    except BaseException:
-        api.in_flight -= admitted
-        raise
+    except BaseException as e:
+        return api.fail_before_engine(admitted, e)
     view = _View(api, body, prompt_ids, echoes, score_only)
     texts = [p if isinstance(p, str) else None for p in prompts]
     envelope = {"id": f"cmpl-{body.request_id or uuid.uuid4().hex}", "object": "text_completion",
