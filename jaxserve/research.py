@@ -120,10 +120,11 @@ class Workbench:
     def kv(self, seq: Sequence, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """The sequence's keys and values at `layer`, read from its pages: [tokens, kv_heads, head_dim] each."""
         cache = self.runner.kv_cache
-        rows = [(seq.pages[t // self.page_size], t % self.page_size) for t in range(seq.length)]
-        page_ids, offsets = np.array([p for p, _ in rows], int), np.array([o for _, o in rows], int)
-        k, v = np.asarray(cache.k[layer]), np.asarray(cache.v[layer])  # [kv_heads, pages, page_size, head_dim]
-        return k[:, page_ids, offsets].transpose(1, 0, 2), v[:, page_ids, offsets].transpose(1, 0, 2)
+        positions = np.arange(seq.length)
+        page_ids, offsets = np.asarray(seq.pages)[positions // self.page_size], positions % self.page_size
+        # Gathered on the device ([kv_heads, pages, page_size, head_dim] per layer): only the sequence's rows
+        # come to the host, not the layer's whole page pool.
+        return tuple(np.asarray(pool[layer][:, page_ids, offsets]).transpose(1, 0, 2) for pool in (cache.k, cache.v))
 
     def page_map(self, seq: Sequence) -> list[tuple[int, int]]:
         """(page id, tokens of the sequence it holds) for each of the sequence's pages."""
