@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -78,12 +80,22 @@ def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) 
     return entries
 
 
+# Parameters filled at once: copying and transposing tiles release the GIL, so threads overlap them with
+# page faults and host-to-device transfers. Each holds one parameter's host buffer at most.
+LOADER_THREADS = min(4, os.cpu_count() or 1)
+
+
 def fill_from_reader(entries: list[ParamEntry], source) -> dict[Path_, jax.Array]:
+    def load(e: ParamEntry) -> jax.Array:
+        fill = source.reader(e.path, e.layout.shape)
+        return array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, fill)
+
     arrays = {}
     try:
-        for e in loading_progress(entries):
-            read = source.reader(e.path, e.layout.shape)
-            arrays[e.path] = array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, read)
+        with ThreadPoolExecutor(LOADER_THREADS) as pool, loading_progress(len(entries)) as bar:
+            for e, array in zip(entries, pool.map(load, entries)):
+                arrays[e.path] = array
+                bar.update()
     finally:
         source.close()
     return arrays

@@ -1,8 +1,9 @@
 """Sharded loading helpers: build device arrays one shard at a time, then re-label them without copying.
 
 1. `array_from_reader` fills one parameter on its sharding: for each device this process addresses it
-   asks the reader for exactly that device's slice of the checkpoint tensor (zero-padded past the
-   tensor's end when the layout pads), puts it on the device and drops the host copy. Devices that hold
+   asks the reader to fill an aligned host buffer with exactly that device's slice of the checkpoint
+   tensor (zero-padded past the tensor's end when the layout pads) and puts it on the device: on CPU
+   the buffer becomes the device array, elsewhere it is copied over and dropped. Devices that hold
    the same slice (replicas) share one read. Host memory in flight is one shard, never the tensor, let
    alone the model.
 2. A layer's parameters are built on its pipeline stage's devices only (a sub-mesh). `stack_stages`
@@ -22,8 +23,23 @@ from jax.sharding import NamedSharding
 
 from sharding.mesh import MeshPlan
 
-# reader(index) -> the checkpoint tensor's region at `index` (slices clipped to the tensor's shape)
-Reader = Callable[[tuple[slice, ...]], np.ndarray]
+# fill(index, out): write the checkpoint tensor's region at `index` (slices clipped to the tensor's shape)
+# into `out`, converting to out's dtype
+Fill = Callable[[tuple[slice, ...], np.ndarray], None]
+
+# XLA:CPU adopts a host buffer aligned to this many bytes as the device array without copying it.
+HOST_ALIGNMENT = 64
+
+
+def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised, 64-byte-aligned numpy array. On CPU `jax.device_put` keeps it as the device
+    buffer (no second copy, no second page-faulting pass over fresh memory); elsewhere it is copied to
+    the device and freed."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
 def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -31,22 +47,21 @@ def _normalise(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def read_padded(read: Reader, bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+def read_padded(fill: Fill, bounds: tuple[tuple[int, int], ...], shape: tuple[int, ...], dtype) -> np.ndarray:
     """The region `bounds` of a tensor of logical `shape`; the part past its end is zeros."""
     clipped = tuple((min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape))
     want = tuple(b - a for a, b in bounds)
     have = tuple(b - a for a, b in clipped)
-    if all(h > 0 for h in have):
-        data = np.ascontiguousarray(np.asarray(read(tuple(slice(a, b) for a, b in clipped))).astype(dtype))
-    else:
-        data = np.zeros(have, dtype)
+    data = host_buffer(want, dtype)
     if have != want:
-        data = np.pad(data, [(0, w - h) for w, h in zip(want, have)])
+        data[...] = 0
+    if all(h > 0 for h in have):
+        fill(tuple(slice(a, b) for a, b in clipped), data[tuple(slice(0, h) for h in have)])
     return data
 
 
 def array_from_reader(shape: tuple[int, ...], padded: tuple[int, ...], sharding: NamedSharding, dtype,
-                      read: Reader) -> jax.Array:
+                      fill: Fill) -> jax.Array:
     """A `padded`-shape array on `sharding`, filled device by device from a tensor of shape `shape`."""
     index_map = sharding.addressable_devices_indices_map(padded)
     by_bounds = sorted(((_normalise(index, padded), device) for device, index in index_map.items()),
@@ -54,7 +69,7 @@ def array_from_reader(shape: tuple[int, ...], padded: tuple[int, ...], sharding:
     shards, last, host = [], None, None
     for bounds, device in by_bounds:
         if bounds != last:
-            host, last = read_padded(read, bounds, shape, dtype), bounds
+            host, last = read_padded(fill, bounds, shape, dtype), bounds
         shards.append(jax.device_put(host, device))
     del host
     # dtype: on a multi-host mesh this process may hold no shard of a stage that lives elsewhere.

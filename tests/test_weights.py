@@ -5,13 +5,15 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights import load_model, resolve_dtype
+from jaxserve.weights import SafetensorsFile, SafetensorsReader, copy_transposed, load_model, resolve_dtype
+from sharding.loading import host_buffer
 
 
 def _copy_config(src, dst):
@@ -78,3 +80,51 @@ def test_dtype_resolution(stories_dir):
     assert resolve_dtype("bfloat16", config) == jnp.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", config)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int64"])
+def test_memory_mapped_views_match_the_safetensors_package(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    np_dtype = np.dtype(getattr(ml_dtypes, dtype, dtype))
+    tensors = {"a": (rng.standard_normal((37, 70)) * 8).astype(np_dtype), "b": np.arange(5, dtype=np_dtype),
+               "scalar": np.array(3, np_dtype)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    for name, expected in load_file(tmp_path / "t.safetensors").items():
+        view = file.view(name)
+        assert view.dtype == expected.dtype and view.shape == expected.shape
+        assert view.tobytes() == expected.tobytes()
+        del view
+        file.release(name)
+    file.close()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (63, 65), (200, 130), (64, 64)])
+def test_tiled_transpose_with_dtype_conversion(shape):
+    source = np.random.default_rng(1).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    out = np.empty(shape[::-1], np.float32)
+    copy_transposed(out, source)
+    np.testing.assert_array_equal(out, source.T.astype(np.float32))
+
+
+def test_reader_fills_transposed_regions_of_a_linear_kernel(stories_dir):
+    """Each device's slice of an [in, out] kernel (HF stores [out, in]), from the memory-mapped file."""
+    stored = load_file(stories_dir / "model.safetensors")["model.layers.0.mlp.gate_proj.weight"]  # [out, in]
+    kernel = stored.T
+    reader = SafetensorsReader(stories_dir)
+    fill = reader.reader(("layers", "0", "mlp", "gate_proj", "kernel"), kernel.shape)
+    for index in [(slice(None), slice(None)), (slice(0, 16), slice(32, 96)), (slice(40, 64), slice(0, 8))]:
+        out = host_buffer(kernel[index].shape, np.float32)
+        fill(index, out)
+        np.testing.assert_array_equal(out, kernel[index])
+    reader.close()
+
+
+def test_host_buffers_are_aligned_for_zero_copy_device_arrays():
+    for shape in [(3,), (17, 5), (2048, 64)]:
+        buffer = host_buffer(shape, np.float32)
+        assert buffer.ctypes.data % 64 == 0 and buffer.shape == shape and buffer.flags.c_contiguous
+    if jax.default_backend() == "cpu":  # XLA:CPU adopts the buffer: one copy of the weights, not two
+        buffer = host_buffer((256, 256), np.float32)
+        buffer[...] = 1.0
+        assert np.shares_memory(np.asarray(jax.device_put(buffer)), buffer)
