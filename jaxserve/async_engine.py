@@ -32,9 +32,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, engine: Engine | None = None):
+    def __init__(self, args: EngineArgs | None = None, engine: Engine | None = None, background_warmup: bool = False):
         self.args = args
         self.engine = engine
+        self.background_warmup = background_warmup  # see Engine.warmup
         self.ready = threading.Event()
         self.error: str | None = None
         self.warmup_seconds: float | None = None
@@ -63,7 +64,7 @@ class AsyncEngine:
         try:
             if self.engine is None:
                 self.engine = Engine(self.args)
-            self.warmup_seconds = self.engine.warmup()
+            self.warmup_seconds = self.engine.warmup(background=self.background_warmup)
             self.ready.set()
             while not self._stop.is_set():
                 self._wake.clear()

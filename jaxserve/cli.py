@@ -73,6 +73,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
                    help="JAX persistent compilation cache ('' to disable)")
+    g.add_argument("--warmup", choices=["background", "full"], default="background",
+                   help="background (default): ready once one step program can serve every step, the other "
+                        "buckets compile while serving; full: ready once every program is compiled")
     g.add_argument("--shutdown-timeout", type=float, default=ServerOptions.shutdown_timeout,
                    help="on SIGTERM, seconds running requests may finish before they are aborted")
     g = parser.add_argument_group("security")
@@ -147,7 +150,8 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         allowed_origins=tuple(o.strip() for o in (ns.allowed_origins or "").split(",") if o.strip()),
         max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
-        shutdown_timeout=ns.shutdown_timeout, chat_template=read_chat_template(ns.chat_template),
+        shutdown_timeout=ns.shutdown_timeout, background_warmup=ns.warmup == "background",
+        chat_template=read_chat_template(ns.chat_template),
         trust_request_chat_template=ns.trust_request_chat_template,
         tool_call_parser=_tool_call_parser(ns),
         sampling_defaults=sampling_defaults(args.model, ns.generation_config))

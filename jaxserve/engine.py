@@ -112,18 +112,29 @@ class Engine:
 
     # ---- warm-up and compile accounting -------------------------------------------------------------
 
-    def warmup(self) -> float:
+    def warmup(self, background: bool = False) -> float:
+        """Compile every step program. With `background`, return once one program can run any step and
+        compile the others while serving (`runner.warmup`); `startup_seconds["all_programs"]` and
+        `warmup_report` appear when they are done."""
         start = time.perf_counter()
+
+        def done(report: WarmupReport) -> None:
+            self.warmup_report = report
+            self.startup_seconds["all_programs"] = time.perf_counter() - self._started
+
         if self.is_leader:
-            self.warmup_report = self.runner.warmup()
+            self.runner.warmup(background=background, on_done=done)
             self.end_call()
         else:
             self.follow()
+            self.startup_seconds["all_programs"] = time.perf_counter() - self._started
         self.compilations_at_warmup = CompilationEvents.lowered
         self.startup_seconds["compile"] = time.perf_counter() - start
         self.startup_seconds["total"] = time.perf_counter() - self._started
-        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs",
-                    *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")))
+        pending = len(self.runner.layouts) - len(self.runner.ready_buckets) if self.is_leader else 0
+        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs%s",
+                    *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
+                    f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
 
     @property
@@ -265,6 +276,7 @@ class Engine:
             # (the device idles meanwhile; unconstrained traffic alone never takes this path).
             outputs.extend(self._process(self._in_flight))
             self._in_flight = None
+        self.scheduler.token_budget = self.runner.step_token_limit  # lower while programs still compile
         plan = self.scheduler.schedule()
         launched = None
         if not plan.empty:

@@ -11,12 +11,16 @@
    updates it in place; explicit in/out shardings mean nothing recompiles for a sharding it had not seen.
 3. The samples stay on the device and feed the next step; `StepOutput.tokens()` copies them to the host
    (one small array) when the engine gets round to it, a step later.
-4. `warmup` compiles the program of every bucket before serving; the compile counter lets tests assert
-   that none follow.
+4. `warmup` compiles the program of every bucket ahead of time (lowered and compiled, never run); the
+   compile counter lets tests assert that none follow. With `background=True` it returns once the one
+   program that can run any step is ready (the smallest bucket that holds every decode slot) and compiles
+   the rest on a thread: until a bucket is ready, steps go to the next bigger ready one and the scheduler
+   plans no step bigger than the biggest ready one, so nothing ever compiles on the step path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -121,6 +125,10 @@ class ModelRunner:
         self.mask_words = (model_config.vocab_size + 31) // 32
         self._open_masks = {b: jax.device_put(self.open_masks(layout), rep) for b, layout in self.layouts.items()}
         self._compiled: dict[int, jax.stages.Compiled] = {}  # token bucket -> its step, compiled by warmup()
+        # Buckets whose program is ready, ascending; replaced whole (never mutated) by the warm-up thread.
+        self.ready_buckets: tuple[int, ...] = tuple(self.layouts)
+        self.warmup_done = threading.Event()
+        self.warmup_report: WarmupReport | None = None
         # Per slot (and one scratch row for padding): see jaxserve/logits.py.
         state_shape = (scheduler_config.max_num_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
@@ -159,7 +167,13 @@ class ModelRunner:
     # ---- host side -------------------------------------------------------------------------------------
 
     def layout_for(self, num_tokens: int) -> BatchLayout:
-        return self.layouts[self.scheduler_config.bucket_for(num_tokens)]
+        """The smallest bucket with a ready program that holds `num_tokens`."""
+        return self.layouts[next(b for b in self.ready_buckets if b >= num_tokens)]
+
+    @property
+    def step_token_limit(self) -> int:
+        """The most tokens one step may hold now: the budget, or less while programs are still compiling."""
+        return self.ready_buckets[-1]
 
     def open_masks(self, layout: BatchLayout) -> np.ndarray:
         """A step's allowed-token bitmask with every token allowed: [sequence rows, ceil(vocab / 32)] int32.
@@ -227,28 +241,78 @@ class ModelRunner:
             self._dispatch(None, layout, np.asarray(ints), np.asarray(floats), masks, bool(flag & _WITH_LOGITS))
             steps += 1
 
-    def warmup(self) -> WarmupReport:
+    def warmup(self, background: bool = False, on_done=None) -> WarmupReport | None:
         """Compile the step of every token bucket ahead of time, running none of them: a full-size prefill
-        bucket of a big model costs seconds to run and teaches the compiler nothing."""
+        bucket of a big model costs seconds to run and teaches the compiler nothing. With `background`,
+        return once the first program (see `compile_order`) is ready and compile the rest on a thread;
+        `warmup_report` is filled, `on_done(report)` called and `warmup_done` set when all are."""
         start, hits = time.perf_counter(), CompilationEvents.cache_hits
-        layouts = list(self.layouts.values())
-        with tqdm(total=len(layouts), desc="Compiling", unit="program") as bar:
-            for layout in layouts:
+        order = self.compile_order()
+        if background and self.plan.process_count > 1:
+            background = False  # followers compile as the leader's steps reach them: one program at a time
+        self.ready_buckets = ()
+        bar = tqdm(total=len(order), desc="Compiling", unit="program")
+        first = order[:1] if background else order
+        self._compile_all(first, bar)
+        self._prev_samples = self._no_samples  # the followers' warm-up ran steps (on the null page)
+
+        def finish() -> None:
+            bar.close()
+            self.warmup_report = WarmupReport(len(order), CompilationEvents.cache_hits - hits,
+                                              time.perf_counter() - start)
+            logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent "
+                        "compilation cache", self.warmup_report.programs, ",".join(map(str, self.layouts)),
+                        self.warmup_report.seconds, self.warmup_report.cache_hits)
+            if on_done is not None:
+                on_done(self.warmup_report)
+            self.warmup_done.set()
+
+        def rest() -> None:
+            try:
+                self._compile_all(order[1:], bar)
+            except Exception:  # serving goes on with the programs that are ready
+                logger.exception("compiling the remaining step programs failed; serving with token buckets %s",
+                                 ",".join(map(str, self.ready_buckets)))
+            finish()
+
+        if background and len(order) > 1:
+            logger.info("step program for %d tokens ready after %.1fs; compiling %d more in the background",
+                        order[0], time.perf_counter() - start, len(order) - 1)
+            threading.Thread(target=rest, name="jaxserve-warmup", daemon=True).start()
+        else:
+            finish()
+        return self.warmup_report
+
+    def compile_order(self) -> list[int]:
+        """The bucket that holds a decode of every slot first (alone it can run any step, if slowly), then
+        the rest from the biggest down: a step padded up to the next ready program wastes more the bigger
+        the program it lacks."""
+        buckets = list(self.layouts)
+        first = next(b for b in buckets if b >= self.scheduler_config.max_num_seqs)
+        return [first] + sorted((b for b in buckets if b != first), reverse=True)
+
+    def _compile_all(self, buckets: list[int], bar) -> None:
+        for bucket in buckets:
+            layout = self.layouts[bucket]
+            with CompilationEvents.warming_up():
                 if self.plan.process_count > 1:
                     # Every process must compile the program its collectives run: the followers compile when
                     # the leader's step reaches them. No sequences: every token writes to the null page.
                     self._lead(None, layout, *layout.empty(self.builder.scratch_slot), None, with_logits=False).tokens()
                 else:
-                    ints, floats = layout.empty(self.builder.scratch_slot)
-                    self._compiled[layout.tokens] = self._step.lower(
-                        self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats,
-                        self._open_masks[layout.tokens], layout, False).compile()
-                bar.update()
-        self._prev_samples = self._no_samples
-        report = WarmupReport(len(layouts), CompilationEvents.cache_hits - hits, time.perf_counter() - start)
-        logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent compilation cache",
-                    report.programs, ",".join(map(str, self.layouts)), report.seconds, report.cache_hits)
-        return report
+                    self._compiled[bucket] = self._lower(layout).compile()
+            self.ready_buckets = tuple(sorted(self.ready_buckets + (bucket,)))
+            bar.update()
+
+    def _lower(self, layout: BatchLayout):
+        # Abstract arguments: the engine thread may be running (and donating) the cache and sampler state
+        # meanwhile; only their shapes and shardings matter here.
+        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                             tree)
+        ints, floats = layout.empty(self.builder.scratch_slot)
+        return self._step.lower(abstract(self._param_leaves), abstract(self.kv_cache), abstract(self.sampler_state),
+                                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens], layout,
+                                False)
 
 
 _WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag (multi-host)
@@ -268,9 +332,21 @@ class CompilationEvents:
     _LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
     _CACHE_HIT = "/jax/compilation_cache/cache_hits"
     _lock = threading.Lock()
-    lowered = 0
+    _thread = threading.local()
+    lowered = 0  # outside warm-up: what a step had to compile
+    lowered_in_warmup = 0
     cache_hits = 0
     _installed = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def warming_up(cls):
+        """Count this thread's lowerings as warm-up's (which may go on in the background while serving)."""
+        cls._thread.warmup = True
+        try:
+            yield
+        finally:
+            cls._thread.warmup = False
 
     @classmethod
     def install(cls) -> None:
@@ -283,7 +359,10 @@ class CompilationEvents:
     @classmethod
     def _on_duration(cls, event: str, duration: float, **_) -> None:
         if event == cls._LOWERED:
-            cls.lowered += 1
+            if getattr(cls._thread, "warmup", False):
+                cls.lowered_in_warmup += 1
+            else:
+                cls.lowered += 1
 
     @classmethod
     def _on_event(cls, event: str, **_) -> None:

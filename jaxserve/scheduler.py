@@ -173,6 +173,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
+        # Tokens one step may hold: the config's budget, lowered by the engine while step programs compile.
+        self.token_budget = scheduler_config.max_num_batched_tokens
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -196,7 +198,7 @@ class Scheduler:
         """Plan the next step; marks what it schedules as computed (and sampled) right away."""
         preempted = self._reserve_decode_pages()
         chunks: list[ScheduledChunk] = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         running = sorted(self.running, key=lambda r: r.arrival)
         for request in running:
             if self._wants_decode(request):
@@ -212,7 +214,7 @@ class Scheduler:
                 n = min(request.prefill_target - request.num_computed, budget)
                 chunks.append(self._prefill_chunk(request, n, len(chunks)))
                 budget -= n
-        return StepPlan(chunks, self.config.max_num_batched_tokens - budget)
+        return StepPlan(chunks, self.token_budget - budget)
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:

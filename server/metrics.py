@@ -45,7 +45,12 @@ class _EngineStateCollector:
                                     labels=["phase"])
         for phase, seconds in (engine.startup_seconds.items() if ready else ()):
             startup.add_metric([phase], seconds)
-        yield from (running, waiting, usage, compiles, preemptions, queries, hits, startup)
+        programs = GaugeMetricFamily("jaxserve:step_programs", "Step programs (one per token bucket): ready to "
+                                     "run, and in all (warm-up may compile some while serving)", labels=["state"])
+        if ready:
+            programs.add_metric(["ready"], len(engine.runner.ready_buckets))
+            programs.add_metric(["total"], len(engine.runner.layouts))
+        yield from (running, waiting, usage, compiles, preemptions, queries, hits, startup, programs)
 
 
 class Metrics:

@@ -25,6 +25,9 @@ class ServerOptions:
     # tool_choice "auto": find the tool calls a reply holds with this parser (server/tool_parsers.py);
     # None: "auto" is refused, as vLLM refuses it without --enable-auto-tool-choice.
     tool_call_parser: str | None = None
+    # Report ready (/health 200) once one step program can run every step and compile the others while
+    # serving (steps use the next bigger ready program meanwhile); False: only when all are compiled.
+    background_warmup: bool = True
 
     def __post_init__(self):
         if self.max_request_body_bytes < 1024:

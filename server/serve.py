@@ -89,7 +89,7 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilati
     import uvicorn
 
     enable_compilation_cache(compilation_cache_dir)
-    async_engine = AsyncEngine(args)
+    async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)

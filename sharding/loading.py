@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -99,4 +100,11 @@ def stack_stages(pieces: Sequence[jax.Array | None], plan: MeshPlan, spec) -> ja
 
 def zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
     """A zero array created directly in its shards (never whole on one device or host)."""
-    return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+    return _zeros_program(tuple(shape), np.dtype(dtype), sharding)()
+
+
+@functools.cache
+def _zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding):
+    # One program per shape: the KV cache asks for the same shape twice per layer, and a fresh jit each
+    # time compiled it again (34 compilations, 0.9 s of a 1B model's start).
+    return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)

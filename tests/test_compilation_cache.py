@@ -32,7 +32,7 @@ def _warmup_cache_use(cache_dir) -> tuple[int, int, str]:
     return int(hits), int(misses), out.stdout.split("report ")[1].split("\n")[0]
 
 
-PHASES = "['compile', 'kv_cache', 'total', 'weights']"
+PHASES = "['all_programs', 'compile', 'kv_cache', 'total', 'weights']"
 
 
 def test_restart_compiles_from_cache_and_reports_every_program_as_a_hit(tmp_path):

@@ -4,11 +4,14 @@ Each request's seed names its script: the fake runner answers the i-th sampled t
 `scripts[seed][i]`, so tests control exactly what "the model" says and when.
 """
 
+import threading
+
 import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.kv_cache import pages_needed
+from jaxserve.runner import CompilationEvents, ModelRunner
 from tests.page_checks import assert_pages_released
 
 
@@ -77,6 +80,7 @@ def make_engine(stories_dir):
                                    num_pages=num_pages, max_model_len=max_model_len,
                                    max_num_batched_tokens=budget, **kw))
         engine.runner = FakeRunner(scripts, engine.scheduler.allocator)
+        engine.runner.step_token_limit = budget  # every step program "compiled"
         return engine
     return make
 
@@ -214,10 +218,55 @@ def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
     # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
     from jaxserve.scheduler import StepPlan
     engine = stories_llm.engine
-    assert engine.compilations_at_warmup > 0
+    assert CompilationEvents.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
     before = engine.compilations_since_warmup
     engine.runner.launch(StepPlan([], 1), with_logits=True).tokens()  # a variant warm-up did not build
     assert engine.compilations_since_warmup > before
+
+
+def _run_all(engine, prompts, max_tokens=6) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+           for p in prompts]
+    tokens = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                tokens[o.request_id] = o.outputs[0].token_ids
+    return [tokens[i] for i in ids]
+
+
+def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_on_the_step_path(
+        stories_dir, monkeypatch):
+    """Ready after one program: until the others are compiled, steps fit the ready ones (a long prompt
+    prefills in small chunks) and give the same tokens; nothing compiles outside warm-up."""
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+    prompts = [list(range(3, 60)), list(range(100, 109)), [7, 8, 9]]
+    full = Engine(args)
+    full.warmup()
+    expected = _run_all(full, prompts)
+
+    release = threading.Event()
+    lower = ModelRunner._lower
+
+    def held_back(runner, layout):  # the background part waits until the test has served with one program
+        if runner.ready_buckets:
+            assert release.wait(120)
+        return lower(runner, layout)
+
+    monkeypatch.setattr(ModelRunner, "_lower", held_back)
+    engine = Engine(args)
+    engine.warmup(background=True)
+    runner = engine.runner
+    assert runner.ready_buckets == (4,) and runner.compile_order()[0] == 4  # holds a decode of all 4 slots
+    assert engine.warmup_report is None and not runner.warmup_done.is_set()
+    assert _run_all(engine, prompts) == expected
+    assert engine.compilations_since_warmup == 0
+    release.set()
+    assert runner.warmup_done.wait(300)
+    assert runner.ready_buckets == tuple(runner.layouts) and engine.warmup_report.programs == len(runner.layouts)
+    assert runner.step_token_limit == 64 and "all_programs" in engine.startup_seconds
+    assert _run_all(engine, prompts) == expected
+    assert engine.compilations_since_warmup == 0
 
 
 # ---- prefix caching (scheduler + engine, fake model) ------------------------------------------------------
