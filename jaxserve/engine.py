@@ -105,7 +105,7 @@ class Engine:
                     self.model_config.model_type, self.model_config.num_layers,
                     jnp.dtype(built.dtype).name,
                     built.attention.name, self.cache_config.num_pages, self.cache_config.page_size,
-                    self.runner.kv_cache.num_bytes / 1e6,
+                    self.runner.kv_abstract.num_bytes / 1e6,
                     "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
         self.startup_seconds["kv_cache"] = time.perf_counter() - started - built.weights_seconds

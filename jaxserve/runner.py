@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -115,7 +116,14 @@ class ModelRunner:
                                        sampler_config.max_logit_bias) for b in scheduler_config.token_buckets}
         self.builder = BatchBuilder(scheduler_config.max_num_seqs, self.max_pages_per_seq, cache_config.page_size)
         self.channel = StepChannel()
-        self.kv_cache = self._new_kv_cache()
+        # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
+        # (1 GB for a 1B model: ~1 s), which then overlaps warm-up's first compilation. Compiling needs only
+        # the abstract cache; the first access to `kv_cache` waits for the arrays.
+        self.kv_abstract = self._abstract_kv_cache()
+        self._kv_cache: KVCache | None = None
+        filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-cache")
+        self._kv_filling = filler.submit(self._new_kv_cache)
+        filler.shutdown(wait=False)
         plan = self.plan
         rep = plan.replicated
         self._no_samples = jax.device_put(np.zeros(scheduler_config.max_num_seqs, np.int32), rep)
@@ -134,8 +142,8 @@ class ModelRunner:
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
         state_sharding = jax.tree.map(lambda a: a.sharding, self.sampler_state)
 
-        kv_sharding = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-        kv_specs = jax.tree.map(lambda a: a.sharding.spec, self.kv_cache)
+        kv_sharding = jax.tree.map(lambda a: a.sharding, self.kv_abstract)
+        kv_specs = jax.tree.map(lambda a: a.sharding.spec, self.kv_abstract)
         step_kwargs = dict(graphdef=self.graphdef, attention=attention, config=model_config, pp=plan.pp,
                            num_samples=scheduler_config.max_num_seqs, top=sampler_config.max_logprobs)
 
@@ -155,14 +163,26 @@ class ModelRunner:
                                            state_sharding, rep, rep, rep, rep),
                              out_shardings=(kv_sharding, state_sharding, rep, rep))
 
-    def _new_kv_cache(self) -> KVCache:
-        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim], created in place."""
+    def _abstract_kv_cache(self) -> KVCache:
+        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim], as shapes and shardings."""
         c, plan = self.model_config, self.plan
         shape = (plan.pp * c.num_kv_heads, self.cache_config.num_pages, self.cache_config.page_size, c.head_dim)
-        sharding = plan.sharding(kv_cache_spec())
-        slots = plan.layers_per_stage
-        return KVCache(k=[zeros(shape, self.dtype, sharding) for _ in range(slots)],
-                       v=[zeros(shape, self.dtype, sharding) for _ in range(slots)])
+        pages = jax.ShapeDtypeStruct(shape, self.dtype, sharding=plan.sharding(kv_cache_spec()))
+        return KVCache(k=[pages] * plan.layers_per_stage, v=[pages] * plan.layers_per_stage)
+
+    def _new_kv_cache(self) -> KVCache:
+        """The cache's arrays, created in place on their devices."""
+        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.kv_abstract)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        if self._kv_cache is None:
+            self._kv_cache = self._kv_filling.result()
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value: KVCache) -> None:
+        self._kv_cache = value
 
     # ---- host side -------------------------------------------------------------------------------------
 
@@ -255,6 +275,7 @@ class ModelRunner:
         first = order[:1] if background else order
         self._compile_all(first, bar)
         self._prev_samples = self._no_samples  # the followers' warm-up ran steps (on the null page)
+        self.kv_cache  # noqa: B018 - ready means the cache is filled too (it was, meanwhile, on its thread)
 
         def finish() -> None:
             bar.close()
@@ -310,7 +331,7 @@ class ModelRunner:
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                              tree)
         ints, floats = layout.empty(self.builder.scratch_slot)
-        return self._step.lower(abstract(self._param_leaves), abstract(self.kv_cache), abstract(self.sampler_state),
+        return self._step.lower(abstract(self._param_leaves), self.kv_abstract, abstract(self.sampler_state),
                                 abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens], layout,
                                 False)
 

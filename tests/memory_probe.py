@@ -1,10 +1,11 @@
-"""Run by tests/test_sharded_loading_memory.py in a fresh process with 8 fake CPU devices: load a model
-directory sharded tp 4 x pp 2 while a thread samples this process's anonymous resident memory, and
-print one JSON line with the numbers.
+"""Run by tests/test_sharded_loading_memory.py in a fresh process: load a model directory on a mesh
+(tp x pp over fake CPU devices) while a thread samples this process's resident memory, and print one
+JSON line with the numbers.
 
-RssAnon (from /proc/self/status) leaves out the checkpoint's page cache (safetensors files are
-memory-mapped). On fake CPU devices the "device" buffers are host memory too, so the host memory the
-load *added* is: peak RssAnon - baseline - bytes of the loaded shards.
+Two measures, each as a peak above the baseline: RssAnon (anonymous memory: buffers the loader
+allocates) and VmRSS (also the checkpoint's memory-mapped pages this process has touched and not yet
+dropped). On fake CPU devices the "device" buffers are host memory too, so the host memory the load
+*added* is: peak - baseline - bytes of the loaded shards.
 """
 
 import json
@@ -13,15 +14,17 @@ import threading
 import time
 
 
-def rss_anon() -> int:
+def memory() -> tuple[int, int]:
+    """(RssAnon, VmRSS) in bytes, from /proc/self/status."""
+    fields = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["RssAnon"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, tp: int, pp: int) -> None:
     import jax
     import jax.numpy as jnp
 
@@ -29,17 +32,17 @@ def main(model_dir: str) -> None:
     from jaxserve.sharded_model import load_sharded
     from sharding import ParallelConfig, make_plan
 
-    assert jax.device_count() == 8, jax.devices()
+    assert jax.device_count() >= tp * pp, jax.devices()
     config = ModelConfig.from_pretrained(model_dir)
-    plan = make_plan(ParallelConfig(4, 2), num_layers=config.num_layers, num_heads=config.num_heads,
+    plan = make_plan(ParallelConfig(tp, pp), num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     jnp.zeros(1).block_until_ready()  # backend and allocator up before the baseline
-    baseline = rss_anon()
-    peak, stop = [baseline], threading.Event()
+    baseline = memory()
+    peak, stop = list(baseline), threading.Event()
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], rss_anon())
+            peak[:] = map(max, peak, memory())
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -50,11 +53,11 @@ def main(model_dir: str) -> None:
     seconds = time.perf_counter() - start
     stop.set()
     sampler.join()
-    peak[0] = max(peak[0], rss_anon())
+    peak[:] = map(max, peak, memory())
     shard_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(model.params) for s in leaf.addressable_shards)
-    print(json.dumps({"baseline": baseline, "peak": peak[0], "shard_bytes": shard_bytes, "seconds": seconds,
-                      "model_bytes": model.num_bytes}))
+    print(json.dumps({"baseline": baseline[0], "peak": peak[0], "baseline_rss": baseline[1], "peak_rss": peak[1],
+                      "shard_bytes": shard_bytes, "seconds": seconds, "model_bytes": model.num_bytes}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
