@@ -33,7 +33,7 @@ for model in stories260K llama110m-random; do
   wait_health http://127.0.0.1:8321; measure http://127.0.0.1:8321 "$dir" $len $n "llama-server-$model"; kill $P; wait $P 2>/dev/null || true
   echo "== $model: jaxserve"
   .venv/bin/jaxserve serve --model "$dir" --max-num-seqs 16 --max-model-len $ctx --host 127.0.0.1 --port 8322 \
-    --served-model-name m > "$OUT/jaxserve-$model.log" 2>&1 & P=$!
+    --served-model-name m --warmup full > "$OUT/jaxserve-$model.log" 2>&1 & P=$!
   wait_health http://127.0.0.1:8322; measure http://127.0.0.1:8322 "$dir" $len $n "jaxserve-$model"; kill $P; wait $P 2>/dev/null || true
 done
 .venv/bin/python - "$OUT" <<'PY'

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 PR=${PEERS_ROOT:-$HOME/.cache/jaxserve-peers}
 OUT=${1:-$PR/results/vs_llama_cpp-$(date +%Y%m%d-%H%M%S).jsonl}
 ./dev run true  # make sure .venv exists and is current
-../shared/peers/side_by_side.sh "$OUT"
+# Steady-state comparison: the load starts at /health 200, so have it wait for every step program.
+JAXSERVE_ARGS="--warmup full ${JAXSERVE_ARGS:-}" ../shared/peers/side_by_side.sh "$OUT"
 ./dev run python benchmarks/offline_decode.py --model "$PR/models/llama110m-random" \
   --llama-bench "$PR/build-native/bin/llama-bench" --gguf "$PR/models/gguf/llama110m-random-f32.gguf" \
   | tee >(grep '^{' >> "$OUT")
