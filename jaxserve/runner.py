@@ -279,21 +279,22 @@ class ModelRunner:
 
         def finish() -> None:
             bar.close()
-            self.warmup_report = WarmupReport(len(order), CompilationEvents.cache_hits - hits,
+            self.warmup_report = WarmupReport(len(self.ready_buckets), CompilationEvents.cache_hits - hits,
                                               time.perf_counter() - start)
             logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent "
-                        "compilation cache", self.warmup_report.programs, ",".join(map(str, self.layouts)),
+                        "compilation cache", self.warmup_report.programs, ",".join(map(str, self.ready_buckets)),
                         self.warmup_report.seconds, self.warmup_report.cache_hits)
             if on_done is not None:
                 on_done(self.warmup_report)
             self.warmup_done.set()
 
         def rest() -> None:
-            try:
-                self._compile_all(order[1:], bar)
-            except Exception:  # serving goes on with the programs that are ready
-                logger.exception("compiling the remaining step programs failed; serving with token buckets %s",
-                                 ",".join(map(str, self.ready_buckets)))
+            for bucket in order[1:]:
+                try:
+                    self._compile_all([bucket], bar)
+                except Exception:  # serving goes on with the programs that are ready
+                    logger.exception("compiling the step program for %d tokens failed; steps of that size use "
+                                     "the next bigger ready program", bucket)
             finish()
 
         if background and len(order) > 1:

@@ -269,6 +269,24 @@ def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_o
     assert engine.compilations_since_warmup == 0
 
 
+def test_a_bucket_that_fails_to_compile_in_the_background_leaves_the_others_serving(stories_dir, monkeypatch):
+    lower = ModelRunner._lower
+
+    def failing(runner, layout):
+        if layout.tokens == 16:
+            raise RuntimeError("out of compiler memory")
+        return lower(runner, layout)
+
+    monkeypatch.setattr(ModelRunner, "_lower", failing)
+    engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64))
+    engine.warmup(background=True)
+    assert engine.runner.warmup_done.wait(300)
+    assert engine.runner.ready_buckets == (1, 2, 4, 8, 32, 64) and engine.warmup_report.programs == 6
+    assert engine.runner.layout_for(9).tokens == 32  # a 9..16-token step pads up to the next ready program
+    assert len(_run_all(engine, [list(range(3, 14)), [5, 6]])[0]) == 6
+    assert engine.compilations_since_warmup == 0
+
+
 # ---- prefix caching (scheduler + engine, fake model) ------------------------------------------------------
 
 PREFIX = [1] + list(range(300, 321))  # 22 tokens: 5 full pages of 4, then 2
