@@ -11,15 +11,20 @@ OUT=${1:-$PR/results/bench-agreement-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 ./dev run true
 PP=$PR/venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110m-random
+# The server and the load generator get cores of their own: sharing them, a client that spends more CPU
+# per chunk slows the server it measures, and the two tools would then disagree about the server rather
+# than about its figures. Last core: the client; the rest: the server.
+N=$(nproc)
+if [ "$N" -ge 2 ]; then SERVER="taskset -c 0-$((N - 2))"; CLIENT="taskset -c $((N - 1))"; T=$((N - 1)); else SERVER=""; CLIENT=""; T=1; fi
 wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
 measure() { # url tokenizer prompt-len num-prompts name: three rounds, the tools alternating, new prompts each
   for round in 1 2 3; do
     for c in 1 4 16; do
-      $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
+      $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
         --max-tokens 64 --concurrency $c --num-prompts "$4" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
         --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"
     done
-    .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
+    $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
       --random-output-len 64 --num-prompts "$4" --max-concurrency 1,4,16 --ignore-eos --no-progress \
       --seed $((round * 100 + 50)) --label "$5" --save-result "$OUT/$5-$round.json" | tail -3
   done
@@ -28,11 +33,11 @@ measure() { # url tokenizer prompt-len num-prompts name: three rounds, the tools
 for model in stories260K llama110m-random; do
   if [ $model = stories260K ]; then dir=$S260; len=64; n=64; ctx=512; else dir=$M110; len=128; n=32; ctx=1024; fi
   echo "== $model: llama-server"
-  "$PR/build-native/bin/llama-server" -m "$PR/models/gguf/$model-f32.gguf" --host 127.0.0.1 --port 8321 -c $((ctx * 16)) \
-    --parallel 16 --cont-batching -t "$(nproc)" -tb "$(nproc)" > "$OUT/llama-server-$model.log" 2>&1 & P=$!
+  $SERVER "$PR/build-native/bin/llama-server" -m "$PR/models/gguf/$model-f32.gguf" --host 127.0.0.1 --port 8321 \
+    -c $((ctx * 16)) --parallel 16 --cont-batching -t $T -tb $T > "$OUT/llama-server-$model.log" 2>&1 & P=$!
   wait_health http://127.0.0.1:8321; measure http://127.0.0.1:8321 "$dir" $len $n "llama-server-$model"; kill $P; wait $P 2>/dev/null || true
   echo "== $model: jaxserve"
-  .venv/bin/jaxserve serve --model "$dir" --max-num-seqs 16 --max-model-len $ctx --host 127.0.0.1 --port 8322 \
+  $SERVER .venv/bin/jaxserve serve --model "$dir" --max-num-seqs 16 --max-model-len $ctx --host 127.0.0.1 --port 8322 \
     --served-model-name m --warmup full > "$OUT/jaxserve-$model.log" 2>&1 & P=$!
   wait_health http://127.0.0.1:8322; measure http://127.0.0.1:8322 "$dir" $len $n "jaxserve-$model"; kill $P; wait $P 2>/dev/null || true
 done

@@ -329,11 +329,9 @@ class ModelRunner:
     def _lower(self, layout: BatchLayout):
         # Abstract arguments: the engine thread may be running (and donating) the cache and sampler state
         # meanwhile; only their shapes and shardings matter here.
-        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                             tree)
         ints, floats = layout.empty(self.builder.scratch_slot)
-        return self._step.lower(abstract(self._param_leaves), self.kv_abstract, abstract(self.sampler_state),
-                                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens], layout,
+        return self._step.lower(_abstract(self._param_leaves), self.kv_abstract, _abstract(self.sampler_state),
+                                _abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens], layout,
                                 False)
 
 
@@ -390,6 +388,11 @@ class CompilationEvents:
     def _on_event(cls, event: str, **_) -> None:
         if event == cls._CACHE_HIT:
             cls.cache_hits += 1
+
+
+def _abstract(tree):
+    """The arrays of `tree` as shapes, dtypes and shardings (what lowering a program needs of them)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def _host(x: jax.Array) -> np.ndarray:
