@@ -148,27 +148,6 @@ def startup_report(log: Path) -> dict:
     return report
 
 
-FILL_PROBE = """
-import sys, threading, time, numpy as np
-size, threads = int(sys.argv[1]), int(sys.argv[2])
-parts = [np.empty(size // threads, np.uint8) for _ in range(threads)]
-start = time.perf_counter()
-workers = [threading.Thread(target=part.fill, args=(1,)) for part in parts]
-[w.start() for w in workers]
-[w.join() for w in workers]
-print(size / 1e9 / (time.perf_counter() - start))
-"""
-
-
-def fresh_memory_fill_rate(nbytes: int) -> float:
-    """GB/s at which a new process can write `nbytes` of memory it has never touched, with every core: the
-    floor under loading weights into new buffers (page faults, and on a VM the host's faults too)."""
-    time.sleep(SETTLE_SECONDS)
-    out = subprocess.run([sys.executable, "-c", FILL_PROBE, str(nbytes), str(os.cpu_count())], check=True,
-                         capture_output=True, text=True)
-    return float(out.stdout)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="Hugging Face model directory")
@@ -213,7 +192,6 @@ def main() -> None:
         values = sorted(r[key] for r in rows if r["server"] == kind and key in r)
         return values[len(values) // 2] if values else float("nan")
 
-    fill_rate = fresh_memory_fill_rate(sum(f.stat().st_size for f in args.model.glob("*.safetensors")))
     base = median("llama-server", "ready_s")
     print(f"\n{args.model.name}, --max-num-seqs {args.max_num_seqs} --max-model-len {args.max_model_len}, "
           f"{os.cpu_count()} cores, median of {args.repeats} round(s); logs in {logs}")
@@ -227,8 +205,6 @@ def main() -> None:
         programs = f"{median(kind, 'programs'):.0f} ({median(kind, 'cache_hits'):.0f})" if kind != "llama-server" else ""
         print(f"| {kind} | {ready:.1f} | {ready / base:.1f}x | {every:.1f} | {peak / 1e9:.2f} | {serving / 1e9:.2f} | "
               f"{peak / serving:.2f}x | {'' if weights != weights else f'{weights:.2f}'} | {programs} |")
-    print(f"\nFresh memory, written by a new process with {os.cpu_count()} threads and nothing else: "
-          f"{fill_rate:.2f} GB/s (the floor under loading weights into new buffers).")
 
 
 if __name__ == "__main__":

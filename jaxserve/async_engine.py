@@ -59,11 +59,13 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.engine is not None:
+            self.engine.runner.stop_warmup(timeout)
 
     def _run(self) -> None:
         try:
-            if self.engine is None:
-                self.engine = Engine(self.args)
+            if self.engine is None:  # the weights load while warm-up compiles
+                self.engine = Engine(self.args, load_in_background=True)
             self.warmup_seconds = self.engine.warmup(background=self.background_warmup)
             self.ready.set()
             while not self._stop.is_set():

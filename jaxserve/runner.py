@@ -98,7 +98,10 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
-                 sampler_config: SamplerConfig = SamplerConfig()):
+                 sampler_config: SamplerConfig = SamplerConfig(),
+                 loading: concurrent.futures.Future | None = None):
+        """`model`: the sharded model, or only its shapes and shardings while `loading` brings the weights
+        (a future of (ShardedModel, seconds)): programs compile meanwhile, and the first step waits."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -111,6 +114,9 @@ class ModelRunner:
         # every leaf, on every call, on the critical path of each step.
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         self._param_leaves = tuple(self._param_leaves)
+        self._param_tree = param_tree
+        self._loading = loading
+        self.weights_seconds: float | None = None  # how long the weights took, once they loaded meanwhile
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         self.layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
                                        sampler_config.max_logit_bias) for b in scheduler_config.token_buckets}
@@ -137,6 +143,8 @@ class ModelRunner:
         self.ready_buckets: tuple[int, ...] = tuple(self.layouts)
         self.warmup_done = threading.Event()
         self.warmup_report: WarmupReport | None = None
+        self._warmup_stop = threading.Event()
+        self._warmup_thread: threading.Thread | None = None
         # Per slot (and one scratch row for padding): see jaxserve/logits.py.
         state_shape = (scheduler_config.max_num_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
@@ -173,6 +181,17 @@ class ModelRunner:
     def _new_kv_cache(self) -> KVCache:
         """The cache's arrays, created in place on their devices."""
         return jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.kv_abstract)
+
+    def wait_for_weights(self) -> None:
+        """Swap the loaded weights in for their shapes (no-op when they were there from the start)."""
+        if self._loading is None:
+            return
+        model, self.weights_seconds = self._loading.result()
+        leaves, tree = jax.tree.flatten(model.params)
+        expected = [(a.shape, a.dtype, a.sharding) for a in self._param_leaves]
+        if tree != self._param_tree or [(a.shape, a.dtype, a.sharding) for a in leaves] != expected:
+            raise RuntimeError("the loaded weights do not match the shapes and shardings the steps were compiled for")
+        self.params, self._param_leaves, self._loading = model.params, tuple(leaves), None
 
     @property
     def kv_cache(self) -> KVCache:
@@ -218,6 +237,8 @@ class ModelRunner:
                   with_logits: bool) -> StepOutput:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
+        if self._loading is not None:
+            self.wait_for_weights()
         args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
         compiled = None if with_logits else self._compiled.get(layout.tokens)
         step = compiled(*args) if compiled is not None else self._step(*args, layout, with_logits)
@@ -290,6 +311,8 @@ class ModelRunner:
 
         def rest() -> None:
             for bucket in order[1:]:
+                if self._warmup_stop.is_set():
+                    break
                 try:
                     self._compile_all([bucket], bar)
                 except Exception:  # serving goes on with the programs that are ready
@@ -300,10 +323,19 @@ class ModelRunner:
         if background and len(order) > 1:
             logger.info("step program for %d tokens ready after %.1fs; compiling %d more in the background",
                         order[0], time.perf_counter() - start, len(order) - 1)
-            threading.Thread(target=rest, name="jaxserve-warmup", daemon=True).start()
+            # Not a daemon: a process exiting in the middle of an XLA compilation aborts. `stop_warmup` makes
+            # it stop after the program it is compiling.
+            self._warmup_thread = threading.Thread(target=rest, name="jaxserve-warmup")
+            self._warmup_thread.start()
         else:
             finish()
         return self.warmup_report
+
+    def stop_warmup(self, timeout: float | None = None) -> None:
+        """Compile no more programs in the background; wait (up to `timeout`) for the one in progress."""
+        self._warmup_stop.set()
+        if self._warmup_thread is not None:
+            self._warmup_thread.join(timeout)
 
     def compile_order(self) -> list[int]:
         """The bucket that holds a decode of every slot first (alone it can run any step, if slowly), then
