@@ -64,8 +64,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            if self.engine is None:  # the weights load while warm-up compiles
-                self.engine = Engine(self.args, load_in_background=True)
+            if self.engine is None:
+                self.engine = Engine(self.args)
             self.warmup_seconds = self.engine.warmup(background=self.background_warmup)
             self.ready.set()
             while not self._stop.is_set():

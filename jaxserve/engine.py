@@ -69,13 +69,12 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, args: EngineArgs, built: BuiltModel | None = None, load_in_background: bool = False):
-        """`built`: a model assembled by the caller (`engine_args.build_from_module`); default: `build_model(args)`.
-        `load_in_background`: load the weights on a thread while `warmup` compiles (see `build_model`)."""
+    def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
+        """`built`: a model assembled by the caller (`engine_args.build_from_module`); default: `build_model(args)`."""
         CompilationEvents.install()
         started = time.perf_counter()
         self.args = args
-        built = built or build_model(args, load_in_background=load_in_background)
+        built = built or build_model(args)
         self.model_config = built.model_config
         self.tokenizer = built.tokenizer
         self.model_name = built.name
@@ -83,7 +82,7 @@ class Engine:
         self.cache_config = built.cache_config
         self.sampler_config = built.sampler_config
         self.runner = ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config,
-                                  built.attention, built.dtype, built.sampler_config, loading=built.loading)
+                                  built.attention, built.dtype, built.sampler_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
         self.plan = built.model.plan
@@ -126,9 +125,6 @@ class Engine:
         if self.is_leader:
             self.runner.warmup(background=background, on_done=done)
             self.end_call()
-            self.runner.wait_for_weights()  # when they were loading while the first program compiled
-            if self.runner.weights_seconds is not None:
-                self.startup_seconds["weights"] = self.runner.weights_seconds
         else:
             self.follow()
             self.startup_seconds["all_programs"] = time.perf_counter() - self._started
@@ -136,10 +132,8 @@ class Engine:
         self.startup_seconds["compile"] = time.perf_counter() - start
         self.startup_seconds["total"] = time.perf_counter() - self._started
         pending = len(self.runner.layouts) - len(self.runner.ready_buckets) if self.is_leader else 0
-        overlapped = self.is_leader and self.runner.weights_seconds is not None
-        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs%s%s",
+        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs%s",
                     *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
-                    " (the weights loaded while the first program compiled)" if overlapped else "",
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -23,7 +22,7 @@ import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.kv_budget import resolve_kv_budget
-from jaxserve.sharded_model import ShardedModel, abstract_sharded, load_sharded, shard_module
+from jaxserve.sharded_model import ShardedModel, load_sharded, shard_module
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import random_model, resolve_dtype
 from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
@@ -95,9 +94,6 @@ class BuiltModel:
     cache_config: CacheConfig
     sampler_config: SamplerConfig
     weights_seconds: float = 0.0  # reading (or building) the weights onto the devices
-    # While the weights load on a thread (`build_model(..., load_in_background=True)`): `model` holds only
-    # their shapes and shardings, and this gives (the loaded model, seconds) when done.
-    loading: concurrent.futures.Future | None = None
 
 
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -126,23 +122,10 @@ def default_token_budget(max_num_seqs: int, platform: str) -> int:
     return max(max_num_seqs, 512 if platform == "cpu" else 2048)
 
 
-def build_model(args: EngineArgs, load_in_background: bool = False) -> BuiltModel:
-    """The model on its mesh and everything sized from it. `load_in_background`: return at once with the
-    model's shapes and shardings (`BuiltModel.loading` brings the weights), so that warm-up compiles
-    while they load. Not when the KV cache is sized from the memory the weights leave free, nor across
-    processes (the followers' warm-up runs steps)."""
+def build_model(args: EngineArgs) -> BuiltModel:
     config = demo_model_config() if args.model is None else ModelConfig.from_pretrained(args.model)
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
-    if (load_in_background and args.model is not None and args.gpu_memory_utilization is None
-            and plan.process_count == 1):
-        dtype = resolve_dtype(args.dtype, config)
-        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-weights")
-        loading = loader.submit(_timed, load_sharded, args.model, config, dtype, plan)
-        loader.shutdown(wait=False)
-        built = _finish_build(args, Path(args.model).resolve().name, abstract_sharded(config, dtype, plan), config,
-                              Tokenizer.from_pretrained(args.model), dtype)
-        return dataclasses.replace(built, loading=loading)
     if args.model is None:
         dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
@@ -156,12 +139,6 @@ def build_model(args: EngineArgs, load_in_background: bool = False) -> BuiltMode
         name = Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start)
-
-
-def _timed(function, *args):
-    start = time.perf_counter()
-    result = function(*args)
-    return result, time.perf_counter() - start
 
 
 def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,

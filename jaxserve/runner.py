@@ -98,10 +98,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
-                 sampler_config: SamplerConfig = SamplerConfig(),
-                 loading: concurrent.futures.Future | None = None):
-        """`model`: the sharded model, or only its shapes and shardings while `loading` brings the weights
-        (a future of (ShardedModel, seconds)): programs compile meanwhile, and the first step waits."""
+                 sampler_config: SamplerConfig = SamplerConfig()):
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -114,9 +111,6 @@ class ModelRunner:
         # every leaf, on every call, on the critical path of each step.
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         self._param_leaves = tuple(self._param_leaves)
-        self._param_tree = param_tree
-        self._loading = loading
-        self.weights_seconds: float | None = None  # how long the weights took, once they loaded meanwhile
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         self.layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
                                        sampler_config.max_logit_bias) for b in scheduler_config.token_buckets}
@@ -182,17 +176,6 @@ class ModelRunner:
         """The cache's arrays, created in place on their devices."""
         return jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.kv_abstract)
 
-    def wait_for_weights(self) -> None:
-        """Swap the loaded weights in for their shapes (no-op when they were there from the start)."""
-        if self._loading is None:
-            return
-        model, self.weights_seconds = self._loading.result()
-        leaves, tree = jax.tree.flatten(model.params)
-        expected = [(a.shape, a.dtype, a.sharding) for a in self._param_leaves]
-        if tree != self._param_tree or [(a.shape, a.dtype, a.sharding) for a in leaves] != expected:
-            raise RuntimeError("the loaded weights do not match the shapes and shardings the steps were compiled for")
-        self.params, self._param_leaves, self._loading = model.params, tuple(leaves), None
-
     @property
     def kv_cache(self) -> KVCache:
         if self._kv_cache is None:
@@ -237,8 +220,6 @@ class ModelRunner:
                   with_logits: bool) -> StepOutput:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
-        if self._loading is not None:
-            self.wait_for_weights()
         args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
         compiled = None if with_logits else self._compiled.get(layout.tokens)
         step = compiled(*args) if compiled is not None else self._step(*args, layout, with_logits)

@@ -121,26 +121,6 @@ def assemble(arrays: dict[Path_, jax.Array], config: ModelConfig, dtype, plan: M
     return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)
 
 
-def abstract_sharded(config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
-    """The model `assemble` will build, as shapes, dtypes and shardings only (no memory): enough to
-    lower and compile the step programs while the weights are still loading."""
-    entries = {e.path: e for e in param_entries(config, dtype, plan)}
-    graphdef, state = nnx.split(abstract_model(stage_config(config, plan), dtype))
-    runtime = nnx.to_pure_dict(state)
-    for path, _ in list(_flatten(runtime)):
-        key = tuple(str(p) for p in path)
-        if is_layer_param(key):  # stacked over the stages: slot s of stage 0 is layer s
-            e = entries[("layers", key[1]) + key[2:]]
-            shape = (plan.pp * e.layout.padded[0],) + tuple(e.layout.padded[1:])
-            spec = runtime_spec(key, e.layout.spec, len(shape))
-        else:
-            e = entries[key]
-            shape, spec = tuple(e.layout.padded), e.layout.spec
-        _set(runtime, path, jax.ShapeDtypeStruct(shape, e.dtype, sharding=NamedSharding(plan.mesh, spec)))
-    nnx.replace_by_pure_dict(state, runtime)
-    return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)
-
-
 def shard_module(module: nnx.Module, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
     """An in-memory (unsharded) module onto the mesh: the demo model, tests."""
     return assemble(fill_from_reader(param_entries(config, dtype, plan), ModuleReader(module)), config, dtype, plan)

@@ -4,13 +4,10 @@ Each request's seed names its script: the fake runner answers the i-th sampled t
 `scripts[seed][i]`, so tests control exactly what "the model" says and when.
 """
 
-import shutil
 import threading
 
-import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.kv_cache import pages_needed
@@ -270,30 +267,6 @@ def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_o
     assert runner.step_token_limit == 64 and "all_programs" in engine.startup_seconds
     assert _run_all(engine, prompts) == expected
     assert engine.compilations_since_warmup == 0
-
-
-def test_weights_loaded_while_warmup_compiles_give_the_same_tokens(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
-    prompts = [list(range(3, 40)), [7, 8, 9]]
-    plain = Engine(args)
-    plain.warmup()
-    engine = Engine(args, load_in_background=True)
-    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in engine.runner._param_leaves)  # shapes only
-    engine.warmup()
-    assert engine.startup_seconds["weights"] == engine.runner.weights_seconds > 0
-    assert _run_all(engine, prompts) == _run_all(plain, prompts)
-    assert engine.compilations_since_warmup == 0
-
-
-def test_a_broken_checkpoint_loading_in_the_background_fails_warmup_with_its_error(stories_dir, tmp_path):
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(stories_dir / name, tmp_path / name)
-    tensors = load_file(stories_dir / "model.safetensors")
-    del tensors["model.norm.weight"]
-    save_file(tensors, tmp_path / "model.safetensors")
-    engine = Engine(EngineArgs(model=str(tmp_path), max_num_seqs=2, max_model_len=64), load_in_background=True)
-    with pytest.raises(ValueError, match="missing tensor 'model.norm.weight'"):
-        engine.warmup()
 
 
 def test_a_bucket_that_fails_to_compile_in_the_background_leaves_the_others_serving(stories_dir, monkeypatch):
