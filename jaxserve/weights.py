@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import threading
 import time
 from pathlib import Path
 
@@ -83,7 +84,7 @@ SAFETENSORS_DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
     "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-
+MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
 
 
 class SafetensorsFile:
@@ -98,7 +99,12 @@ class SafetensorsFile:
         self.path = path
         with open(path, "rb") as f:
             header_size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_size))
+            if not 0 < header_size <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+                raise ValueError(f"{path} is not a safetensors file (header size {header_size})")
+            try:
+                header = json.loads(f.read(header_size))
+            except ValueError as e:
+                raise ValueError(f"{path} has a broken safetensors header: {e}") from None
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._data_start = 8 + header_size
         self.tensors = {name: info for name, info in header.items() if name != "__metadata__"}
@@ -145,14 +151,16 @@ class SafetensorsReader:
         self.model_dir = Path(model_dir)
         self.files = safetensors_files(self.model_dir)
         self._open: dict[Path, SafetensorsFile] = {}
+        self._opening = threading.Lock()  # loader threads ask for tensors of the same file at once
 
     def _file(self, path: tuple) -> tuple[str, bool, SafetensorsFile]:
         name, transpose = hf_tensor_name(path)
         if name not in self.files:
             raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
         file = self.files[name]
-        if file not in self._open:
-            self._open[file] = SafetensorsFile(file)
+        with self._opening:
+            if file not in self._open:
+                self._open[file] = SafetensorsFile(file)
         if name not in self._open[file].tensors:
             raise ValueError(f"{file} does not hold tensor {name!r} (its index says it does)")
         return name, transpose, self._open[file]

@@ -128,3 +128,12 @@ def test_host_buffers_are_aligned_for_zero_copy_device_arrays():
         buffer = host_buffer((256, 256), np.float32)
         buffer[...] = 1.0
         assert np.shares_memory(np.asarray(jax.device_put(buffer)), buffer)
+
+
+@pytest.mark.parametrize("head", [(2**62).to_bytes(8, "little"), (0).to_bytes(8, "little"),
+                                  (9).to_bytes(8, "little") + b"{not json"])
+def test_a_corrupt_safetensors_header_is_a_clear_error(tmp_path, head):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(head + bytes(64))
+    with pytest.raises(ValueError, match="safetensors"):
+        SafetensorsFile(path)
