@@ -137,10 +137,8 @@ def startup_report(log: Path) -> dict:
     """The figures of jaxserve's startup report lines (weights GB/s, compiled programs, cache hits)."""
     text = log.read_text(errors="replace")
     report = {}
-    if m := re.search(r"weights: .*?\(([\d.]+) GB/s\)", text):
-        report["weights_gb_s"] = float(m.group(1))
-    if m := re.search(r"in ([\d.]+)s \(([\d.]+) GB/s\)", text):
-        report["weights_s"] = float(m.group(1))
+    if m := re.search(r"weights: .*? in ([\d.]+)s \(([\d.]+) GB/s\)", text):
+        report["weights_s"], report["weights_gb_s"] = float(m.group(1)), float(m.group(2))
     if m := re.search(r"compiled (\d+) step programs .*?, (\d+) from the persistent compilation cache", text):
         report["programs"], report["cache_hits"] = int(m.group(1)), int(m.group(2))
     if m := re.search(r"ready in ([\d.]+)s: weights ([\d.]+)s, KV cache ([\d.]+)s, compilation ([\d.]+)s", text):

@@ -149,10 +149,6 @@ class SchedulerConfig:
                              f"({self.max_num_batched_tokens})")
         object.__setattr__(self, "token_buckets", tuple(buckets))
 
-    def bucket_for(self, num_tokens: int) -> int:
-        """Smallest bucket that holds `num_tokens` (a step never exceeds the token budget)."""
-        return next(b for b in self.token_buckets if b >= num_tokens)
-
     def seqs_for(self, bucket: int) -> int:
         """Sequence rows of a step padded to `bucket` tokens: every sequence has at least one token."""
         return min(bucket, self.max_num_seqs)

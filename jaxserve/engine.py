@@ -92,7 +92,6 @@ class Engine:
         self._choices: dict[str, list[str]] = {}  # request id -> its choices' scheduler request ids
         self._in_flight: StepOutput | None = None  # the dispatched step whose samples are not read yet
         self.compilations_at_warmup: int | None = None
-        self.warmup_report: WarmupReport | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
         self.startup_seconds = {"weights": built.weights_seconds}
         self._started = started
@@ -119,7 +118,6 @@ class Engine:
         start = time.perf_counter()
 
         def done(report: WarmupReport) -> None:
-            self.warmup_report = report
             self.startup_seconds["all_programs"] = time.perf_counter() - self._started
 
         if self.is_leader:
@@ -136,6 +134,11 @@ class Engine:
                     *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
+
+    @property
+    def warmup_report(self) -> WarmupReport | None:
+        """What warm-up compiled (None until every program is done, and on follower processes)."""
+        return self.runner.warmup_report
 
     @property
     def multiprocess(self) -> bool:

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
@@ -69,8 +68,7 @@ def safetensors_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-    with safe_open(single, framework="flax") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in read_header(single)[1]}
 
 
 def abstract_model(config: ModelConfig, dtype):
@@ -87,27 +85,32 @@ SAFETENSORS_DTYPES = {
 MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
 
 
+def read_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, {tensor name: {dtype, shape, data_offsets}}) of a .safetensors file.
+    Layout: 8-byte little-endian header size, a JSON header, then the data."""
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        if not 0 < header_size <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+            raise ValueError(f"{path} is not a safetensors file (header size {header_size})")
+        try:
+            header = json.loads(f.read(header_size))
+        except ValueError as e:
+            raise ValueError(f"{path} has a broken safetensors header: {e}") from None
+    return 8 + header_size, {name: info for name, info in header.items() if name != "__metadata__"}
+
+
 class SafetensorsFile:
     """One .safetensors file, memory-mapped read-only; each tensor a zero-copy numpy view of the mapping.
 
     The `safetensors` package hands out copies only; reading in place lets a region go straight into its
     destination buffer (one copy instead of two or three) and lets `release` drop the mapped pages.
-    Layout: 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, data.
     """
 
     def __init__(self, path: Path):
         self.path = path
+        self._data_start, self.tensors = read_header(path)
         with open(path, "rb") as f:
-            header_size = int.from_bytes(f.read(8), "little")
-            if not 0 < header_size <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
-                raise ValueError(f"{path} is not a safetensors file (header size {header_size})")
-            try:
-                header = json.loads(f.read(header_size))
-            except ValueError as e:
-                raise ValueError(f"{path} has a broken safetensors header: {e}") from None
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._data_start = 8 + header_size
-        self.tensors = {name: info for name, info in header.items() if name != "__metadata__"}
 
     def view(self, name: str) -> np.ndarray:
         info = self.tensors[name]
