@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `jaxserve bench serve` beside ../shared/peers/load_bench.py: the same load against the same servers in
 # one run (llama-server and jaxserve, stories260K and the random 124.7M Llama, concurrency 1, 4 and 16,
-# token-id prompts, ignore_eos; three rounds with the tools alternating), then a table of each figure's ratio between the two tools and a plot of
+# token-id prompts, ignore_eos, more requests at higher concurrency; three rounds with the tools alternating), then a table of each figure's ratio between the two tools and a plot of
 # both servers on the same axes. The two tools must agree within 10%. Needs ../shared/peers/setup.sh once.
 #   benchmarks/bench_serve_agreement.sh [OUT_DIR]
 set -euo pipefail
@@ -10,28 +10,37 @@ PR=${PEERS_ROOT:-$HOME/.cache/jaxserve-peers}
 OUT=${1:-$PR/results/bench-agreement-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 ./dev run true
-PP=$PR/venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110m-random
+# Both tools run under the same interpreter and httpx (this project's venv), so that what differs between
+# them is the tool, not the Python that runs it: at thousands of chunks a second on one core the client's
+# own cost per chunk shows in TTFT.
+PP=.venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110m-random
 # The server and the load generator get cores of their own: sharing them, a client that spends more CPU
 # per chunk slows the server it measures, and the two tools would then disagree about the server rather
 # than about its figures. Last core: the client; the rest: the server.
 N=$(nproc)
 if [ "$N" -ge 2 ]; then SERVER="taskset -c 0-$((N - 2))"; CLIENT="taskset -c $((N - 1))"; T=$((N - 1)); else SERVER=""; CLIENT=""; T=1; fi
 wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
-measure() { # url tokenizer prompt-len num-prompts name: three rounds, the tools alternating, new prompts each
+measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds, the tools alternating, new prompts each
+  local counts=($4)
   for round in 1 2 3; do
-    for c in 1 4 16; do
+    for i in 0 1 2; do
+      c=$(( 4 ** i ))
       $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
-        --max-tokens 64 --concurrency $c --num-prompts "$4" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
+        --max-tokens 64 --concurrency $c --num-prompts "${counts[$i]}" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
         --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"
     done
     $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
-      --random-output-len 64 --num-prompts "$4" --max-concurrency 1,4,16 --ignore-eos --no-progress \
+      --random-output-len 64 --num-prompts "${4// /,}" --max-concurrency 1,4,16 --ignore-eos --no-progress \
       --seed $((round * 100 + 50)) --label "$5" --save-result "$OUT/$5-$round.json" | tail -3
   done
   cp "$OUT/$5-2.json" "$OUT/$5.json"  # the middle round, for the plot
 }
 for model in stories260K llama110m-random; do
-  if [ $model = stories260K ]; then dir=$S260; len=64; n=64; ctx=512; else dir=$M110; len=128; n=32; ctx=1024; fi
+  # Requests per level (concurrency 1, 4, 16). At 16, four waves: closed-loop requests of one output
+  # length arrive in waves, and with two waves the TTFT median sits exactly between the first wave's
+  # (queued behind each other's prefill) and the second's; from the third wave on, arrivals are staggered.
+  # stories260K runs at thousands of tokens a second: more requests, so a level lasts seconds, not one.
+  if [ $model = stories260K ]; then dir=$S260; len=64; n="64 128 256"; ctx=512; else dir=$M110; len=128; n="32 32 64"; ctx=1024; fi
   echo "== $model: llama-server"
   $SERVER "$PR/build-native/bin/llama-server" -m "$PR/models/gguf/$model-f32.gguf" --host 127.0.0.1 --port 8321 \
     -c $((ctx * 16)) --parallel 16 --cont-batching -t $T -tb $T > "$OUT/llama-server-$model.log" 2>&1 & P=$!

@@ -34,7 +34,7 @@ def test_bench_serve_reports_vllm_metrics_that_agree_with_the_server(server, sto
     assert [level["max_concurrency"] for level in report["levels"]] == [1, 3]
     for level in report["levels"]:
         m = level["metrics"]
-        assert m["completed"] == 6 and m["failed"] == 0
+        assert level["num_prompts"] == 6 and m["completed"] == 6 and m["failed"] == 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
             stats = m[key]
             assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], key
@@ -58,9 +58,12 @@ def test_bench_plot_draws_several_results_on_the_same_axes(server, tmp_path):
     files = []
     for label in ("one", "two"):
         path = tmp_path / f"{label}.json"
-        assert bench(["serve", "--base-url", server, "--num-prompts", "2", "--random-input-len", "8",
+        # One count per level of the sweep.
+        assert bench(["serve", "--base-url", server, "--num-prompts", "2,3", "--random-input-len", "8",
                       "--random-output-len", "4", "--max-concurrency", "1,2", "--no-progress", "--label", label,
                       "--save-result", str(path)]) == 0
+        levels = json.loads(path.read_text())["levels"]
+        assert [(level["num_prompts"], level["metrics"]["completed"]) for level in levels] == [(2, 2), (3, 3)]
         files.append(str(path))
     assert bench(["plot", *files, "--out", str(tmp_path / "both")]) == 0
     assert (tmp_path / "both" / "throughput.png").stat().st_size > 1000
@@ -83,6 +86,13 @@ def test_a_server_that_refuses_connections_is_a_clear_error(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "cannot reach http://127.0.0.1:" in err and "Traceback" not in err
+
+
+def test_a_prompt_count_per_level_must_match_the_sweep(server, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench(["serve", "--base-url", server, "--num-prompts", "2,3,4", "--max-concurrency", "1,2"])
+    assert exit_info.value.code == 2
+    assert "one per level of the sweep (2)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["latency", "throughput"])

@@ -35,7 +35,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--prefix-len", type=int, default=256)
     s.add_argument("--suffix-len", type=int, default=32)
     s.add_argument("--num-prefixes", type=int, default=4)
-    s.add_argument("--num-prompts", type=int, default=100)
+    s.add_argument("--num-prompts", default="100",
+                   help="requests per level; a comma list gives each level of the sweep its own count "
+                        "(a low concurrency needs fewer requests than a high one for the same confidence)")
     s.add_argument("--request-rate", default="inf", help="requests/s, or a comma list to sweep (inf: all at once)")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
     s.add_argument("--max-concurrency", default=None, help="requests in flight at most; a comma list sweeps")
@@ -75,17 +77,27 @@ def add_bench_parser(sub) -> None:
         o.set_defaults(func=_offline)
 
 
-def _requests(ns, tokenizer, seed: int):
+def _level_counts(text: str, levels: int) -> list[int]:
+    counts = [int(n) for n in text.split(",") if n.strip()]
+    if len(counts) == 1:
+        counts *= levels
+    if len(counts) != levels or min(counts) < 1:
+        raise ValueError(f"--num-prompts takes one positive count, or one per level of the sweep ({levels}); "
+                         f"got {text!r}")
+    return counts
+
+
+def _requests(ns, tokenizer, seed: int, count: int):
     from jaxserve.bench import datasets
     if ns.dataset_name == "random":
-        return datasets.random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len,
+        return datasets.random_requests(count, ns.random_input_len, ns.random_output_len,
                                         ns.random_range_ratio, seed, tokenizer, ns.random_prompt_form)
     if ns.dataset_name == "prefix-repetition":
-        return datasets.prefix_repetition_requests(ns.num_prompts, ns.prefix_len, ns.suffix_len, ns.num_prefixes,
+        return datasets.prefix_repetition_requests(count, ns.prefix_len, ns.suffix_len, ns.num_prefixes,
                                                    ns.random_output_len, seed, tokenizer)
     if not ns.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
-    return datasets.jsonl_requests(ns.dataset_path, ns.num_prompts, ns.random_output_len)
+    return datasets.jsonl_requests(ns.dataset_path, count, ns.random_output_len)
 
 
 def _serve(ns) -> int:
@@ -99,12 +111,13 @@ def _serve(ns) -> int:
     tokenizer = load_tokenizer(ns.tokenizer)
     # Random datasets draw new prompts for each level (seed + level): a level must not find the previous
     # level's prompts in the server's prefix cache. (A jsonl file is what it is.)
-    requests = _requests(ns, tokenizer, ns.seed)
+    rates = ns.request_rate.split(",")
+    concurrencies = [int(c) for c in ns.max_concurrency.split(",")] if ns.max_concurrency else [None]
+    counts = _level_counts(ns.num_prompts, len(rates) * len(concurrencies))
+    requests = _requests(ns, tokenizer, ns.seed, max(counts))
     chat = ns.endpoint == "chat" or any(r.messages for r in requests)
     if chat and any(isinstance(r.prompt, list) for r in requests):
         raise ValueError("the chat endpoint takes text: use --random-prompt-form text")
-    rates = ns.request_rate.split(",")
-    concurrencies = [int(c) for c in ns.max_concurrency.split(",")] if ns.max_concurrency else [None]
     if ns.num_warmups:  # first-request effects (connection set-up, a cold cache) stay out of the numbers
         asyncio.run(serve.run_level(ns.base_url, model, requests[:ns.num_warmups], chat=chat, rate=math.inf,
                                     burstiness=1.0, max_concurrency=1, temperature=ns.temperature,
@@ -112,7 +125,7 @@ def _serve(ns) -> int:
     levels = []
     for rate in rates:
         for concurrency in concurrencies:
-            requests = _requests(ns, tokenizer, ns.seed + 1 + len(levels))
+            requests = _requests(ns, tokenizer, ns.seed + 1 + len(levels), counts[len(levels)])
             results, duration = asyncio.run(serve.run_level(
                 ns.base_url, model, requests, chat=chat, rate=float(rate), burstiness=ns.burstiness,
                 max_concurrency=concurrency, temperature=ns.temperature, ignore_eos=ns.ignore_eos, seed=ns.seed,
@@ -120,10 +133,11 @@ def _serve(ns) -> int:
             if not any(r.success for r in results):
                 raise serve.ServerUnreachable(f"every request failed: {results[0].error}")
             levels.append({"request_rate": rate, "max_concurrency": concurrency, "burstiness": ns.burstiness,
+                           "num_prompts": len(requests),
                            "metrics": serve.summarize(results, duration, percentiles, goodput)})
     report = {"base_url": ns.base_url, "model": model, "label": ns.label or ns.base_url,
               "endpoint": "chat" if chat else "completions", "dataset": ns.dataset_name,
-              "num_prompts": len(requests), "command": "jaxserve " + shlex.join(ns.argv), "levels": levels}
+              "command": "jaxserve " + shlex.join(ns.argv), "levels": levels}
     print(serve.table(levels))
     for level in levels:
         if "goodput" in level["metrics"]:
