@@ -44,11 +44,11 @@ for model in stories260K llama110m-random; do
   echo "== $model: llama-server"
   $SERVER "$PR/build-native/bin/llama-server" -m "$PR/models/gguf/$model-f32.gguf" --host 127.0.0.1 --port 8321 \
     -c $((ctx * 16)) --parallel 16 --cont-batching -t $T -tb $T > "$OUT/llama-server-$model.log" 2>&1 & P=$!
-  wait_health http://127.0.0.1:8321; measure http://127.0.0.1:8321 "$dir" $len $n "llama-server-$model"; kill $P; wait $P 2>/dev/null || true
+  wait_health http://127.0.0.1:8321; measure http://127.0.0.1:8321 "$dir" $len "$n" "llama-server-$model"; kill $P; wait $P 2>/dev/null || true
   echo "== $model: jaxserve"
   $SERVER .venv/bin/jaxserve serve --model "$dir" --max-num-seqs 16 --max-model-len $ctx --host 127.0.0.1 --port 8322 \
     --served-model-name m --warmup full > "$OUT/jaxserve-$model.log" 2>&1 & P=$!
-  wait_health http://127.0.0.1:8322; measure http://127.0.0.1:8322 "$dir" $len $n "jaxserve-$model"; kill $P; wait $P 2>/dev/null || true
+  wait_health http://127.0.0.1:8322; measure http://127.0.0.1:8322 "$dir" $len "$n" "jaxserve-$model"; kill $P; wait $P 2>/dev/null || true
 done
 .venv/bin/python - "$OUT" <<'PY'
 import collections, json, statistics, sys
