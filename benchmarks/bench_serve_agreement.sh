@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `jaxserve bench serve` beside ../shared/peers/load_bench.py: the same load against the same servers in
 # one run (llama-server and jaxserve, stories260K and the random 124.7M Llama, concurrency 1, 4 and 16,
-# token-id prompts, ignore_eos, more requests at higher concurrency; three rounds with the tools alternating), then a table of each figure's ratio between the two tools and a plot of
+# token-id prompts, ignore_eos, more requests at higher concurrency; three rounds, the two tools measuring each level
+# back to back), then a table of each figure's ratio between the two tools and a plot of
 # both servers on the same axes. The two tools must agree within 10%. Needs ../shared/peers/setup.sh once.
 #   benchmarks/bench_serve_agreement.sh [OUT_DIR]
 set -euo pipefail
@@ -20,7 +21,10 @@ PP=.venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110
 N=$(nproc)
 if [ "$N" -ge 2 ]; then SERVER="taskset -c 0-$((N - 2))"; CLIENT="taskset -c $((N - 1))"; T=$((N - 1)); else SERVER=""; CLIENT=""; T=1; fi
 wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
-measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds, the tools alternating, new prompts each
+measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds; in each, every level is measured by
+  # load_bench.py and then by bench serve, back to back, with new prompts each time. This machine's speed
+  # drifts by tens of percent within minutes: the two tools' figures are compared pair by pair, so that
+  # the drift between pairs cancels out.
   local counts=($4)
   for round in 1 2 3; do
     for i in 0 1 2; do
@@ -28,12 +32,11 @@ measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds, the tools
       $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
         --max-tokens 64 --concurrency $c --num-prompts "${counts[$i]}" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
         --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"
+      $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
+        --random-output-len 64 --num-prompts "${counts[$i]}" --max-concurrency $c --ignore-eos --no-progress \
+        --seed $((round * 100 + 50 + c)) --label "$5" --save-result "$OUT/$5-r$round-c$c.json" | tail -1
     done
-    $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
-      --random-output-len 64 --num-prompts "${4// /,}" --max-concurrency 1,4,16 --ignore-eos --no-progress \
-      --seed $((round * 100 + 50)) --label "$5" --save-result "$OUT/$5-$round.json" | tail -3
   done
-  cp "$OUT/$5-2.json" "$OUT/$5.json"  # the middle round, for the plot
 }
 for model in stories260K llama110m-random; do
   # Requests per level (concurrency 1, 4, 16). At 16, four waves: closed-loop requests of one output
@@ -54,28 +57,38 @@ done
 import collections, json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-# Medians over the three rounds of each tool: the machine's noise between rounds is about 10% by itself.
-theirs, ours = collections.defaultdict(list), collections.defaultdict(list)
+# For each server, level and round: (output tok/s, TTFT p50, ITL p50) from each tool, measured back to back.
+theirs, ours = collections.defaultdict(list), collections.defaultdict(dict)
 for line in open(out / "load_bench.jsonl"):
     r = json.loads(line)
     if r.get("bench") == "serve":
         m = r["metrics"]
         theirs[(r["stack"], m["concurrency"])].append((m["output_throughput_tok_s"], m["ttft_ms"]["p50"], m["itl_ms"]["p50"]))
-for file in sorted(out.glob("*-[123].json")):
+levels_by_label = collections.defaultdict(list)
+for file in sorted(out.glob("*-r[123]-c*.json")):
     report = json.loads(file.read_text())
+    round_ = int(file.stem.split("-r")[-1].split("-")[0])
     for level in report["levels"]:
         m = level["metrics"]
-        ours[(report["label"], level["max_concurrency"])].append((m["output_throughput"], m["ttft_ms"]["p50"], m["itl_ms"]["p50"]))
-print("\n| server | conc | out tok/s (load_bench / bench serve) | TTFT p50 ms | ITL p50 ms | furthest ratio |")
-print("|---|---:|---|---|---|---:|")
+        ours[(report["label"], level["max_concurrency"])][round_] = (m["output_throughput"], m["ttft_ms"]["p50"], m["itl_ms"]["p50"])
+        if round_ == 2:  # the middle round, for the plots
+            levels_by_label[report["label"]].append(level)
+for label, levels in levels_by_label.items():
+    report = {"label": label, "levels": sorted(levels, key=lambda level: level["max_concurrency"])}
+    (out / f"{label}.json").write_text(json.dumps(report))
+print("\n| server | conc | out tok/s (load_bench / bench serve) | TTFT p50 ms | ITL p50 ms | paired ratios, median of 3 rounds (tok/s, TTFT, ITL) |")
+print("|---|---:|---|---|---|---|")
 worst = 0.0
 for key in sorted(ours):
-    a = [statistics.median(x) for x in zip(*theirs[key])]
-    b = [statistics.median(x) for x in zip(*ours[key])]
-    far = max((y / x for x, y in zip(a, b)), key=lambda r: abs(r - 1))
-    worst = max(worst, abs(far - 1))
-    print(f"| {key[0]} | {key[1]} | " + " | ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(a, b)) + f" | {far:.3f} |")
-print(f"\nlargest disagreement of the medians: {100 * worst:.1f}% (target: within 10%)")
+    rounds = sorted(ours[key])
+    a_rows, b_rows = theirs[key][-len(rounds):], [ours[key][r] for r in rounds]
+    a = [statistics.median(x) for x in zip(*a_rows)]
+    b = [statistics.median(x) for x in zip(*b_rows)]
+    paired = [statistics.median(y / x for x, y in zip(xs, ys)) for xs, ys in zip(zip(*a_rows), zip(*b_rows))]
+    worst = max(worst, *(abs(r - 1) for r in paired))
+    print(f"| {key[0]} | {key[1]} | " + " | ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(a, b)) + " | "
+          + ", ".join(f"{r:.3f}" for r in paired) + " |")
+print(f"\nlargest disagreement (paired, median over rounds): {100 * worst:.1f}% (target: within 10%)")
 PY
 for model in stories260K llama110m-random; do
   .venv/bin/jaxserve bench plot "$OUT/llama-server-$model.json" "$OUT/jaxserve-$model.json" --out "$OUT/plots-$model"
