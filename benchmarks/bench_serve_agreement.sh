@@ -32,7 +32,7 @@ measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds; in each, 
       $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
         --max-tokens 64 --concurrency $c --num-prompts "${counts[$i]}" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
         --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"
-      $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len $(( $3 - 1 )) \
+      $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len "$3" \
         --random-output-len 64 --num-prompts "${counts[$i]}" --max-concurrency $c --ignore-eos --no-progress \
         --seed $((round * 100 + 50 + c)) --label "$5" --save-result "$OUT/$5-r$round-c$c.json" | tail -1
     done
