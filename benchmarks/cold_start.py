@@ -5,8 +5,10 @@ starting (VmHWM, which counts memory-mapped checkpoint pages as well as anonymou
 memory once serving (VmRSS after a short load of 16 concurrent requests, so the KV cache and the step
 programs are in use). jaxserve runs twice: first with an empty persistent compilation cache, then a
 restart on the cache the first start wrote; it reports ready before its warm-up has compiled every
-step program (`--warmup background`), so the time until all are compiled is shown too. Checkpoint
-files are read right before each start, so every server loads from the page cache.
+step program (`--warmup background`), so the time until all are compiled is shown too. Then the same
+two starts from the model converted once by `jaxserve convert --format mapped` (the model's own layout,
+64-byte aligned, used in place from the page cache): the counterpart of llama-server's GGUF file.
+Checkpoint files are read right before each start, so every server loads from the page cache.
 
 The default model is the random 1.1B Llama (Llama-3.2-1B shape, vocab 32000, float32, 4.4 GB in three
 shards), built on first use with the peers kit (`make_llama110m.py --size 1b`, then its GGUF with
@@ -49,6 +51,18 @@ def ensure_model(model: Path, gguf: Path) -> None:
     if not gguf.is_file():
         subprocess.run(["bash", PEERS_KIT / "convert_models.sh"], check=True,
                        env=dict(os.environ, PEERS_ROOT=str(PEERS_ROOT), PY=str(python)))
+
+
+def ensure_mapped(model: Path) -> Path:
+    """The model converted to jaxserve's mapped format, beside it (built once, like the GGUF)."""
+    mapped = model.with_name(model.name + "-mapped")
+    if not (mapped / "jaxserve_checkpoint.json").is_file():
+        shutil.rmtree(mapped, ignore_errors=True)
+        print(f"converting {model} to {mapped} (jaxserve convert --format mapped)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "jaxserve.cli", "convert", "--model", str(model), "--output",
+                        str(mapped), "--format", "mapped", "--dtype", "float32"], check=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return mapped
 
 
 def read_into_page_cache(paths: list[Path]) -> None:
@@ -156,31 +170,36 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="rounds of (llama-server, jaxserve cold, jaxserve warm)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per start here")
+    ap.add_argument("--no-mapped", dest="mapped", action="store_false",
+                    help="skip the starts from the model converted to the mapped format")
     args = ap.parse_args()
 
     if args.model == DEFAULT_MODEL or args.gguf == DEFAULT_GGUF:
         ensure_model(args.model, args.gguf)
+    sources = {"jaxserve": args.model} | ({"jaxserve mapped": ensure_mapped(args.model)} if args.mapped else {})
     logs = Path(tempfile.mkdtemp(prefix="cold_start-"))
     threads = str(os.cpu_count())
     llama = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(args.port),
              "-c", str(args.max_num_seqs * args.max_model_len), "--parallel", str(args.max_num_seqs),
              "--cont-batching", "-t", threads, "-tb", threads]
-    jaxserve = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(args.model),
-                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-                "--port", str(args.port)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    kinds = ["llama-server"] + [f"{source} {start}" for source in sources for start in ("first start", "restart")]
     rows = []
     for round_ in range(args.repeats):
-        cache = Path(tempfile.mkdtemp(prefix="xla-cache-"))
         rows.append(measure_start("llama-server", llama, args.port, logs / f"llama-server-{round_}.log", "model",
                                   [args.gguf]))
-        for kind in ("jaxserve first start", "jaxserve restart"):
-            log = logs / f"{kind.replace(' ', '-')}-{round_}.log"
-            row = measure_start(kind, jaxserve + ["--compilation-cache-dir", str(cache)], args.port, log,
-                                args.model.name, sorted(args.model.glob("*.safetensors")), env=env)
-            rows.append(row | startup_report(log))
-        shutil.rmtree(cache, ignore_errors=True)
-        for row in rows[-3:]:
+        for source, model in sources.items():
+            cache = Path(tempfile.mkdtemp(prefix="xla-cache-"))
+            jaxserve = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model), "--served-model-name",
+                        args.model.name, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+                        str(args.max_model_len), "--port", str(args.port), "--compilation-cache-dir", str(cache)]
+            for kind in (f"{source} first start", f"{source} restart"):
+                log = logs / f"{kind.replace(' ', '-')}-{round_}.log"
+                row = measure_start(kind, jaxserve, args.port, log, args.model.name,
+                                    sorted(model.glob("*.safetensors")), env=env)
+                rows.append(row | startup_report(log))
+            shutil.rmtree(cache, ignore_errors=True)
+        for row in rows[-len(kinds):]:
             print(json.dumps(row | {"round": round_, "model": str(args.model)}), flush=True)
             if args.out:
                 with open(args.out, "a") as f:
@@ -196,7 +215,7 @@ def main() -> None:
     print("\n| | /health 200 (s) | x llama-server | all programs (s) | peak RSS starting (GB) | RSS serving (GB) "
           "| peak / serving | weights GB/s | programs (cache hits) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for kind in ("llama-server", "jaxserve first start", "jaxserve restart"):
+    for kind in kinds:
         ready, every, peak, serving = (median(kind, k) for k in
                                        ("ready_s", "all_programs_s", "peak_rss_starting", "rss_serving"))
         weights = median(kind, "weights_gb_s")

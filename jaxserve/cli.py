@@ -171,7 +171,8 @@ def _convert(ns: argparse.Namespace) -> int:
     from sharding import ParallelConfig
     from sharding.multihost import initialize
     initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
-    convert(ns.model, ns.output, ns.dtype, ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size))
+    convert(ns.model, ns.output, ns.dtype, ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size),
+            format=ns.format)
     sys.stdout.write(f"{ns.output}\n")
     return 0
 
@@ -202,9 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(srv)
     srv.set_defaults(func=_serve)
 
-    conv = sub.add_parser("convert", help="write a Hugging Face checkpoint as an Orbax checkpoint that --model serves")
+    conv = sub.add_parser("convert", help="write a Hugging Face checkpoint in a format that --model serves: "
+                                          "Orbax (for meshes) or mapped (the fastest start)")
     conv.add_argument("--model", required=True, help="Hugging Face model directory")
-    conv.add_argument("--output", required=True, help="new directory for the Orbax checkpoint")
+    conv.add_argument("--output", required=True, help="new directory for the converted checkpoint")
+    conv.add_argument("--format", choices=["orbax", "mapped"], default="orbax",
+                      help="orbax: any mesh restores the slices it needs; mapped: safetensors in the model's own "
+                           "layout and dtype, 64-byte aligned, used in place from the page cache (on CPU no "
+                           "copy at all)")
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="stored precision (auto: the checkpoint's own)")
     add_parallel_args(conv)

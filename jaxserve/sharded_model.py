@@ -90,7 +90,8 @@ LOADER_THREADS = min(4, os.cpu_count() or 1)
 def fill_from_reader(entries: list[ParamEntry], source) -> dict[Path_, jax.Array]:
     def load(e: ParamEntry) -> jax.Array:
         fill = source.reader(e.path, e.layout.shape)
-        return array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, fill)
+        return array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, fill,
+                                 source.in_place(e.path, e.dtype))
 
     # Biggest first: a big tensor left for the end loads on one thread while the others idle (the 262 MB LM
     # head of a 1B model, last in parameter order, was a second of one thread's work after all the rest).
@@ -142,10 +143,13 @@ def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPl
 
     start = time.perf_counter()
     entries = param_entries(config, dtype, plan)
-    if checkpoint.is_orbax_checkpoint(model_dir):
+    fmt = checkpoint.checkpoint_format(model_dir)
+    if fmt == "orbax":
         arrays, kind = checkpoint.restore_arrays(model_dir, entries), "Orbax checkpoint"
     else:
-        arrays, kind = fill_from_reader(entries, SafetensorsReader(model_dir)), "safetensors"
+        reader = SafetensorsReader(model_dir, own_layout=fmt == "mapped")
+        arrays = fill_from_reader(entries, reader)
+        kind = "safetensors" if fmt is None else f"mapped safetensors, {reader.in_place_bytes / 1e6:.1f} MB in place"
     model = assemble(arrays, config, dtype, plan)
     seconds = time.perf_counter() - start
     logger.info("weights: %d tensors, %.1f MB on the mesh, from %s (%s) as %s in %.1fs (%.2f GB/s)", len(entries),

@@ -9,7 +9,11 @@
    [out, in], in cache-sized tiles; converted to the model's dtype in the same pass). After each tensor
    the mapping's pages are dropped from this process (the page cache keeps them), so the checkpoint is
    never resident twice. The engine's sharded loader (`sharded_model.py`) asks each device's slice.
-3. `load_model` reads whole tensors into one unsharded module (notebooks, single-device tools).
+3. A checkpoint that `jaxserve convert --format mapped` wrote is already in the model's layout and dtype,
+   named by parameter path, with every tensor 64-byte aligned: its tensors are used where they lie in
+   the mapping (`SafetensorsReader.in_place`), as llama.cpp uses a GGUF file. On CPU the mapped pages
+   become the device arrays, with no copy; elsewhere they are copied to the device without a transpose.
+4. `load_model` reads whole tensors into one unsharded module (notebooks, single-device tools).
    Missing tensors and shape mismatches are errors that name the tensor.
 """
 
@@ -31,7 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import model_class
-from sharding.loading import host_buffer
+from sharding.loading import HOST_ALIGNMENT, InPlace, host_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,11 @@ def hf_tensor_name(path: tuple) -> tuple[str, bool]:
     return (name if name.startswith("lm_head") else f"model.{name}"), transpose
 
 
+def param_tensor_name(path: tuple) -> str:
+    """NNX parameter path -> its tensor's name in a checkpoint in the model's own layout."""
+    return ".".join(str(p) for p in path)
+
+
 def safetensors_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file, from the index of a sharded checkpoint or the single file's header."""
     index = model_dir / "model.safetensors.index.json"
@@ -82,7 +91,10 @@ SAFETENSORS_DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
     "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+SAFETENSORS_CODES = {np.dtype(t): code for code, t in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
+# Linux 5.14's madvise(MADV_POPULATE_READ): map a file region's pages now (Python 3.12 lacks the name).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 def read_header(path: Path) -> tuple[int, dict]:
@@ -111,6 +123,9 @@ class SafetensorsFile:
         self._data_start, self.tensors = read_header(path)
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        probe = np.frombuffer(self._map, np.uint8, 1)
+        self._address = probe.ctypes.data  # where the mapping starts, for madvise offsets of views
+        del probe
 
     def view(self, name: str) -> np.ndarray:
         info = self.tensors[name]
@@ -126,6 +141,16 @@ class SafetensorsFile:
         begin, end = self.tensors[name]["data_offsets"]
         first = (self._data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, first, self._data_start + end - first)
+
+    def populate(self, view: np.ndarray) -> None:
+        """Map a view's pages into this process now, from the page cache: loading pays for it, not the
+        first request that touches the weights."""
+        offset = view.ctypes.data - self._address
+        first = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(MADV_POPULATE_READ, first, offset + view.nbytes - first)
+        except OSError:  # a kernel before 5.14: read ahead instead
+            self._map.madvise(mmap.MADV_WILLNEED, first, offset + view.nbytes - first)
 
     def close(self) -> None:
         try:
@@ -148,16 +173,20 @@ def copy_transposed(out: np.ndarray, source: np.ndarray) -> None:
 
 
 class SafetensorsReader:
-    """Regions of Hugging Face tensors by NNX parameter path, copied from the memory-mapped files."""
+    """Regions of checkpoint tensors by NNX parameter path, from the memory-mapped files: Hugging Face
+    tensors (copied, kernels transposed) or, with `own_layout`, a checkpoint in the model's own layout
+    (`jaxserve convert --format mapped`), whose tensors `in_place` hands out where they lie."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, own_layout: bool = False):
         self.model_dir = Path(model_dir)
+        self.own_layout = own_layout
         self.files = safetensors_files(self.model_dir)
         self._open: dict[Path, SafetensorsFile] = {}
         self._opening = threading.Lock()  # loader threads ask for tensors of the same file at once
+        self.in_place_bytes = 0  # served where they lie in the mapping (for the log)
 
     def _file(self, path: tuple) -> tuple[str, bool, SafetensorsFile]:
-        name, transpose = hf_tensor_name(path)
+        name, transpose = (param_tensor_name(path), False) if self.own_layout else hf_tensor_name(path)
         if name not in self.files:
             raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
         file = self.files[name]
@@ -188,9 +217,29 @@ class SafetensorsReader:
 
         return fill
 
+    def in_place(self, path: tuple, dtype) -> InPlace | None:
+        """Regions of the parameter at `path` as read-only views of the mapping, for a checkpoint in the
+        model's own layout stored in `dtype`; None where a region needs a copy (see `array_from_reader`)."""
+        if not self.own_layout:
+            return None
+        name, _, file = self._file(path)
+        if np.dtype(SAFETENSORS_DTYPES.get(file.tensors[name]["dtype"], np.void)) != np.dtype(dtype):
+            return None
+
+        def region(index: tuple[slice, ...]) -> np.ndarray | None:
+            view = file.view(name)[index]
+            if not view.flags.c_contiguous or view.ctypes.data % HOST_ALIGNMENT:
+                return None  # e.g. a column slice for tensor parallelism: copied instead
+            file.populate(view)
+            with self._opening:
+                self.in_place_bytes += view.nbytes
+            return view
+
+        return region
+
     def close(self) -> None:
         for file in self._open.values():
-            file.close()
+            file.close()  # a mapping whose views became device arrays stays until they go
         self._open.clear()
 
 
@@ -207,6 +256,9 @@ class ModuleReader:
             raise ValueError(f"parameter {'/'.join(map(str, path))} has shape {value.shape}, expected {shape}")
         return lambda index, out: np.copyto(out, value[index], casting="unsafe")
 
+    def in_place(self, path: tuple, dtype) -> None:
+        return None  # the module's arrays are copied: the device arrays must not alias them
+
     def close(self) -> None:
         self.params.clear()
 
@@ -221,7 +273,8 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
     model_dir = Path(model_dir)
     graphdef, state = nnx.split(abstract_model(config, dtype))
     wanted = nnx.to_pure_dict(state)
-    source = SafetensorsReader(model_dir)
+    from jaxserve.checkpoint import checkpoint_format
+    source = SafetensorsReader(model_dir, own_layout=checkpoint_format(model_dir) == "mapped")
     start = time.perf_counter()
     try:
         leaves = list(_flatten(wanted))

@@ -28,6 +28,10 @@ from sharding.mesh import MeshPlan
 # into `out`, converting to out's dtype
 Fill = Callable[[tuple[slice, ...], np.ndarray], None]
 
+# in_place(index): the region at `index` as a read-only array that can become the device array as it is
+# (the right dtype, C-contiguous, aligned: a memory-mapped checkpoint in the model's own layout), or None
+InPlace = Callable[[tuple[slice, ...]], "np.ndarray | None"]
+
 # XLA:CPU adopts a host buffer aligned to this many bytes as the device array without copying it.
 HOST_ALIGNMENT = 64
 
@@ -62,15 +66,21 @@ def read_padded(fill: Fill, bounds: tuple[tuple[int, int], ...], shape: tuple[in
 
 
 def array_from_reader(shape: tuple[int, ...], padded: tuple[int, ...], sharding: NamedSharding, dtype,
-                      fill: Fill) -> jax.Array:
-    """A `padded`-shape array on `sharding`, filled device by device from a tensor of shape `shape`."""
+                      fill: Fill, in_place: InPlace | None = None) -> jax.Array:
+    """A `padded`-shape array on `sharding`, filled device by device from a tensor of shape `shape`.
+    A region `in_place` offers (no padding in it) goes to its device as it is: on CPU the mapped file's
+    pages become the device array, with no copy at all."""
     index_map = sharding.addressable_devices_indices_map(padded)
     by_bounds = sorted(((_normalise(index, padded), device) for device, index in index_map.items()),
                        key=lambda item: (item[0], item[1].id))
     shards, last, host = [], None, None
     for bounds, device in by_bounds:
         if bounds != last:
-            host, last = read_padded(fill, bounds, shape, dtype), bounds
+            last, host = bounds, None
+            if in_place is not None and all(b <= n for (_, b), n in zip(bounds, shape)):
+                host = in_place(tuple(slice(a, b) for a, b in bounds))
+            if host is None:
+                host = read_padded(fill, bounds, shape, dtype)
         shards.append(jax.device_put(host, device))
     del host
     # dtype: on a multi-host mesh this process may hold no shard of a stage that lives elsewhere.

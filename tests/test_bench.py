@@ -108,3 +108,19 @@ def test_offline_benchmarks_run_on_stories260k(kind, stories_dir, tmp_path, caps
         assert result["decode_tokens_per_s"] > 0
     else:
         assert result["output_tokens_per_s"] == pytest.approx(8 * 8 / result["elapsed_s"])
+
+
+def test_token_id_prompts_begin_as_the_tokenizer_begins_text(stories_dir):
+    """vLLM's random dataset counts the tokenizer's special tokens in the input length; a token-id prompt
+    begins with them (a Llama's BOS), as a tokenized text prompt would."""
+    from jaxserve.bench.datasets import load_tokenizer, prefix_repetition_requests, random_requests
+    tokenizer = load_tokenizer(str(stories_dir))
+    bos = tokenizer.encode("", add_special_tokens=True).ids
+    assert bos == [1]
+    for request in random_requests(5, 16, 4, 0.0, 0, tokenizer):
+        assert len(request.prompt) == request.prompt_len == 16 and request.prompt[0] == 1
+        assert 1 not in request.prompt[1:]
+    for request in prefix_repetition_requests(4, 8, 3, 2, 4, 0, tokenizer):
+        assert len(request.prompt) == 11 and request.prompt[0] == 1
+    texts = random_requests(2, 16, 4, 0.0, 0, tokenizer, form="text")
+    assert all(isinstance(r.prompt, str) for r in texts)  # the server adds the BOS to text itself

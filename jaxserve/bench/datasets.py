@@ -3,7 +3,8 @@
 - `random`: prompts of about `input_len` tokens and `output_len` output tokens, both drawn uniformly from
   [len * (1 - range_ratio), len * (1 + range_ratio)]. With a tokenizer, prompts are token ids (exact
   lengths; `form="text"` decodes them to text); without one, text of common words (the server's usage
-  gives the true prompt length).
+  gives the true prompt length). Token-id prompts begin with the special tokens the tokenizer adds (a
+  Llama's BOS), as text would reach the model: `input_len` counts them, as vLLM's random dataset does.
 - `prefix-repetition`: `num_prefixes` shared prefixes of `prefix_len` tokens, each request one of them
   plus its own `suffix_len` tokens: what a prefix cache is for.
 - `jsonl`: a file with one request per line, `{"prompt": ...}` or `{"messages": [...]}`, optionally
@@ -42,6 +43,11 @@ def _plain_token_ids(tokenizer) -> np.ndarray:
     return np.array(sorted(set(vocab.values()) - special))
 
 
+def _leading_special_ids(tokenizer) -> list[int]:
+    """What the tokenizer adds in front of any text (Llama: [BOS]; Qwen: nothing)."""
+    return tokenizer.encode("", add_special_tokens=True).ids
+
+
 def load_tokenizer(path: str | None):
     if path is None:
         return None
@@ -57,9 +63,10 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float 
     if tokenizer is None:
         return [SampleRequest(" ".join(rng.choice(_WORDS, int(k))), int(o)) for k, o in zip(inputs, outputs)]
     ids = _plain_token_ids(tokenizer)
+    lead = _leading_special_ids(tokenizer) if form == "ids" else []
     requests = []
     for k, o in zip(inputs, outputs):
-        tokens = rng.choice(ids, int(k)).tolist()
+        tokens = lead[:int(k)] + rng.choice(ids, max(0, int(k) - len(lead))).tolist()
         prompt = tokens if form == "ids" else tokenizer.decode(tokens)
         requests.append(SampleRequest(prompt, int(o), prompt_len=int(k) if form == "ids" else None))
     return requests
@@ -72,8 +79,9 @@ def prefix_repetition_requests(n: int, prefix_len: int, suffix_len: int, num_pre
         prefixes = [" ".join(rng.choice(_WORDS, prefix_len)) for _ in range(num_prefixes)]
         return [SampleRequest(prefixes[i % num_prefixes] + " " + " ".join(rng.choice(_WORDS, suffix_len)),
                               output_len) for i in range(n)]
-    ids = _plain_token_ids(tokenizer)
-    prefixes = [rng.choice(ids, prefix_len).tolist() for _ in range(num_prefixes)]
+    ids, lead = _plain_token_ids(tokenizer), _leading_special_ids(tokenizer)
+    prefixes = [lead[:prefix_len] + rng.choice(ids, max(0, prefix_len - len(lead))).tolist()
+                for _ in range(num_prefixes)]
     return [SampleRequest(prefixes[i % num_prefixes] + rng.choice(ids, suffix_len).tolist(), output_len,
                           prompt_len=prefix_len + suffix_len) for i in range(n)]
 
