@@ -193,6 +193,8 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype_request!r}")
     if format == "mapped":
+        if jax.process_count() > 1:
+            raise ValueError("--format mapped is written by one process: run convert on one host")
         count = save_mapped(model_dir, output, DTYPES[name])
         logger.info("wrote mapped checkpoint %s (%d tensors, %s) from %s", output, count, name, model_dir)
         return Path(output)
