@@ -43,19 +43,23 @@ def _host_params(model):
             jax.tree_util.tree_leaves_with_path(model.params)}
 
 
-@pytest.mark.parametrize("tp, pp", [(4, 1), (4, 2), (8, 1), (1, 1)])
-def test_restored_params_equal_safetensors_load(stories_dir, converted, tp, pp):
+def _assert_loads_like_safetensors(model_dir, stories_dir, tp: int, pp: int) -> None:
     config = ModelConfig.from_pretrained(stories_dir)
     plan = make_plan(ParallelConfig(tp, pp), num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
-    from_orbax = load_sharded(converted, config, jnp.float32, plan)
+    converted = load_sharded(model_dir, config, jnp.float32, plan)
     from_hf = load_sharded(stories_dir, config, jnp.float32, plan)
-    for a, b in zip(jax.tree.leaves(from_orbax.params), jax.tree.leaves(from_hf.params)):
+    for a, b in zip(jax.tree.leaves(converted.params), jax.tree.leaves(from_hf.params)):
         assert a.sharding == b.sharding
-    a, b = _host_params(from_orbax), _host_params(from_hf)
+    a, b = _host_params(converted), _host_params(from_hf)
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+@pytest.mark.parametrize("tp, pp", [(4, 1), (4, 2), (8, 1), (1, 1)])
+def test_restored_params_equal_safetensors_load(stories_dir, converted, tp, pp):
+    _assert_loads_like_safetensors(converted, stories_dir, tp, pp)
 
 
 def test_restored_checkpoint_generates_the_same_tokens(stories_dir, converted):
@@ -80,14 +84,20 @@ def mapped(stories_dir, tmp_path_factory):
 def test_mapped_checkpoint_loads_on_a_mesh_like_safetensors(stories_dir, mapped, tp, pp):
     """Tensor-parallel slices of a mapped checkpoint: a kernel split by columns is copied, one split by rows
     (or replicated) is used in place; either way every shard equals the Hugging Face load."""
+    _assert_loads_like_safetensors(mapped, stories_dir, tp, pp)
+
+
+def test_mapped_checkpoint_shards_split_by_rows_are_the_files_pages(stories_dir, mapped):
     config = ModelConfig.from_pretrained(stories_dir)
-    plan = make_plan(ParallelConfig(tp, pp), num_layers=config.num_layers, num_heads=config.num_heads,
+    plan = make_plan(ParallelConfig(2, 1), num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
-    from_mapped = load_sharded(mapped, config, jnp.float32, plan)
-    from_hf = load_sharded(stories_dir, config, jnp.float32, plan)
-    for a, b in zip(jax.tree.leaves(from_mapped.params), jax.tree.leaves(from_hf.params)):
-        assert a.sharding == b.sharding
-    a, b = _host_params(from_mapped), _host_params(from_hf)
-    assert a.keys() == b.keys()
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    model = load_sharded(mapped, config, jnp.float32, plan)
+    ranges = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in open("/proc/self/maps")
+              if line.rstrip().endswith(str(mapped / "model.safetensors"))]
+
+    def in_file(array) -> list[bool]:
+        return [any(a <= s.data.unsafe_buffer_pointer() < b for a, b in ranges) for s in array.addressable_shards]
+
+    layers = model.params["layers"][0]  # the first layer slot (with pipeline parallel 1: layer 0)
+    assert all(in_file(layers["self_attn"]["o_proj"]["kernel"][...]))  # rows of [in, out]: contiguous
+    assert not any(in_file(layers["self_attn"]["q_proj"]["kernel"][...]))  # columns: copied
