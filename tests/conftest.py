@@ -17,6 +17,15 @@ def stories_dir() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
 
+@pytest.fixture(scope="session")
+def mapped_stories_dir(stories_dir, tmp_path_factory) -> Path:
+    """stories260K converted by `jaxserve convert --format mapped` (the model's own layout, aligned)."""
+    from jaxserve.cli import main as cli_main
+    out = tmp_path_factory.mktemp("ckpt") / "stories260K-mapped"
+    assert cli_main(["convert", "--model", str(stories_dir), "--output", str(out), "--format", "mapped"]) == 0
+    return out
+
+
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
          "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
 

@@ -17,10 +17,8 @@ from sharding import ParallelConfig, make_plan
 
 
 @pytest.fixture(scope="module")
-def mapped(stories_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "stories260K-mapped"
-    assert cli_main(["convert", "--model", str(stories_dir), "--output", str(out), "--format", "mapped"]) == 0
-    return out
+def mapped(mapped_stories_dir):
+    return mapped_stories_dir
 
 
 def _plan(config):

@@ -74,10 +74,8 @@ def test_restored_checkpoint_generates_the_same_tokens(stories_dir, converted):
 
 
 @pytest.fixture(scope="module")
-def mapped(stories_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "stories260K-mapped"
-    assert cli_main(["convert", "--model", str(stories_dir), "--output", str(out), "--format", "mapped"]) == 0
-    return out
+def mapped(mapped_stories_dir):
+    return mapped_stories_dir
 
 
 @pytest.mark.parametrize("tp, pp", [(4, 2), (2, 1)])
