@@ -23,7 +23,7 @@ def test_multidevice_suite_on_8_fake_cpu_devices():
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", JAXSERVE_MULTIDEVICE="1",
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multidevice"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0 and "passed" in summary and "skipped" not in summary, \
         result.stdout[-8000:] + result.stderr[-4000:]
