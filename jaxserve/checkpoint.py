@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -41,10 +42,6 @@ def checkpoint_format(model_dir: str | Path) -> str | None:
     if not marker.is_file():
         return None
     return json.loads(marker.read_text()).get("format", "orbax")
-
-
-def is_orbax_checkpoint(model_dir: str | Path) -> bool:
-    return checkpoint_format(model_dir) == "orbax"
 
 
 def _nested(flat: dict[tuple[str, ...], object]) -> dict:
@@ -101,10 +98,14 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
     params = [(path, tuple(spec.shape)) for path, spec in _flatten(nnx.to_pure_dict(state))]
     dtype = np.dtype(dtype)
     shards: list[list] = [[]]
+    filled = 0  # bytes in the last shard
     for path, shape in params:
-        if shards[-1] and sum(_nbytes(s, dtype) for _, s in shards[-1]) + _nbytes(shape, dtype) > MAPPED_SHARD_BYTES:
+        size = math.prod(shape) * dtype.itemsize
+        if shards[-1] and filled + size > MAPPED_SHARD_BYTES:
             shards.append([])
+            filled = 0
         shards[-1].append((path, shape))
+        filled += size
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     reader, weight_map = SafetensorsReader(model_dir), {}
@@ -113,7 +114,7 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
             for name, shard in zip(names, shards):
                 header, offset, pad = {"__metadata__": {"format": "jaxserve", "layout": "nnx"}}, 0, 0
                 for path, shape in shard:
-                    size = _nbytes(shape, dtype)
+                    size = math.prod(shape) * dtype.itemsize
                     header[param_tensor_name(path)] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                                                        "data_offsets": [offset, offset + size]}
                     weight_map[param_tensor_name(path)] = name
@@ -139,11 +140,6 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
         (output / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=1))
     _finish(model_dir, output, {"format": "mapped", "dtype": dtype.name})
     return len(params)
-
-
-def _nbytes(shape: tuple[int, ...], dtype) -> int:
-    import math
-    return math.prod(shape) * dtype.itemsize
 
 
 def _new_dir(output: str | Path) -> Path:
