@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--percentiles", default="50,90,99", help="percentiles reported for each latency")
     s.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    s.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent before the first level")
+    s.add_argument("--num-warmups", type=int, default=1, help="untimed requests sent, one at a time, before each level")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--label", default=None, help="name of this run in plots (default: the base URL)")
     s.add_argument("--save-result", default=None, metavar="FILE", help="write the full results as JSON")
@@ -118,22 +117,19 @@ def _serve(ns) -> int:
     chat = ns.endpoint == "chat" or any(r.messages for r in requests)
     if chat and any(isinstance(r.prompt, list) for r in requests):
         raise ValueError("the chat endpoint takes text: use --random-prompt-form text")
-    if ns.num_warmups:  # first-request effects (connection set-up, a cold cache) stay out of the numbers
-        asyncio.run(serve.run_level(ns.base_url, model, requests[:ns.num_warmups], chat=chat, rate=math.inf,
-                                    burstiness=1.0, max_concurrency=1, temperature=ns.temperature,
-                                    ignore_eos=ns.ignore_eos, seed=ns.seed, progress=False))
     levels = []
     for rate in rates:
         for concurrency in concurrencies:
-            requests = _requests(ns, tokenizer, ns.seed + 1 + len(levels), counts[len(levels)])
+            count = counts[len(levels)]
+            requests = _requests(ns, tokenizer, ns.seed + 1 + len(levels), count + ns.num_warmups)
             results, duration = asyncio.run(serve.run_level(
-                ns.base_url, model, requests, chat=chat, rate=float(rate), burstiness=ns.burstiness,
+                ns.base_url, model, requests[:count], chat=chat, rate=float(rate), burstiness=ns.burstiness,
                 max_concurrency=concurrency, temperature=ns.temperature, ignore_eos=ns.ignore_eos, seed=ns.seed,
-                progress=not ns.no_progress))
+                progress=not ns.no_progress, warmups=requests[count:]))
             if not any(r.success for r in results):
                 raise serve.ServerUnreachable(f"every request failed: {results[0].error}")
             levels.append({"request_rate": rate, "max_concurrency": concurrency, "burstiness": ns.burstiness,
-                           "num_prompts": len(requests),
+                           "num_prompts": count,
                            "metrics": serve.summarize(results, duration, percentiles, goodput)})
     report = {"base_url": ns.base_url, "model": model, "label": ns.label or ns.base_url,
               "endpoint": "chat" if chat else "completions", "dataset": ns.dataset_name,

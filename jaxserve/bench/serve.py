@@ -12,7 +12,8 @@ that sends none is counted by chunks with text. Percentiles interpolate linearly
 
 Load: requests arrive at `--request-rate` per second (inf: all at once), gaps drawn from a gamma
 distribution of shape `--burstiness` (1: Poisson); `--max-concurrency` caps how many are in flight.
-A comma list in either runs a sweep, one level after another, on the same requests.
+A comma list in either runs a sweep, one level after another, on the same requests. Before each level,
+`--num-warmups` untimed requests (default 1) go out one at a time on that level's connections.
 """
 
 from __future__ import annotations
@@ -110,7 +111,12 @@ def _arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarr
 
 async def run_level(base_url: str, model: str, requests: list[SampleRequest], *, chat: bool, rate: float,
                     burstiness: float, max_concurrency: int | None, temperature: float, ignore_eos: bool,
-                    seed: int, progress: bool = True) -> tuple[list[RequestResult], float]:
+                    seed: int, progress: bool = True, warmups: list[SampleRequest] = ()
+                    ) -> tuple[list[RequestResult], float]:
+    """Send `requests` at the given rate and concurrency; return each one's result and the wall time.
+    `warmups` go first, one at a time and untimed, on the same connection pool: the level then starts with
+    a connection open, as a client that has been talking to the server does, and a server's
+    first-request costs stay out of its numbers."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -127,6 +133,10 @@ async def run_level(base_url: str, model: str, requests: list[SampleRequest], *,
             bar.update()
             return result
 
+        for sample in warmups:
+            warm = await send(client, url, request_body(sample, model, chat, temperature, ignore_eos), chat)
+            if not warm.success:
+                raise ServerUnreachable(f"the warm-up request failed: {warm.error}")
         start = time.perf_counter()
         tasks = []
         for sample, gap in zip(requests, gaps):
