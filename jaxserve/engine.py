@@ -274,11 +274,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
         outputs = self._drain_inbox()
-        if self._in_flight is not None and self._grammar_waits():
-            # A constrained sequence's next mask needs its pending token: read the step in flight first
-            # (the device idles meanwhile; unconstrained traffic alone never takes this path).
+        if self._in_flight is not None and (self._in_flight.plan.prefill_only or self._grammar_waits()):
+            # Read the step in flight before planning the next one, in two cases (the device idles for the
+            # planning meanwhile):
+            # - It only prefills. Requests arrive in bursts spread over milliseconds (a client's wave, or
+            #   a batch job starting), and the first of them finds the engine idle and starts a step alone.
+            #   Planned at once, the next step would hold only that request's first decode, and the rest
+            #   of the burst would wait for two steps, one of them a prefill. Planned after it, the next
+            #   step takes them all; and no decode waits on the planning, since none is running.
+            # - A constrained sequence's next mask needs its pending token (unconstrained traffic alone
+            #   never takes this path).
             outputs.extend(self._process(self._in_flight))
             self._in_flight = None
+            outputs.extend(self._drain_inbox())
         self.scheduler.token_budget = self.runner.step_token_limit  # lower while programs still compile
         plan = self.scheduler.schedule()
         launched = None

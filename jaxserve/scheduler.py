@@ -161,6 +161,11 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def prefill_only(self) -> bool:
+        """No chunk decodes: every request in the step is still reading its prompt."""
+        return all(chunk.is_prefill for chunk in self.chunks)
+
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):

@@ -168,6 +168,40 @@ def test_long_prompt_is_chunked_while_decode_continues(make_engine):
     assert [start for start, _ in chunks] == [0, 7, 14, 21, 28, 35]
 
 
+def _arriving_while_the_device_runs(engine, prompt, sampling):
+    """Make `prompt` arrive while the engine waits for the step in flight (during its next read)."""
+    read = engine._process
+
+    def read_and_receive(step_output):
+        engine._process = read
+        engine.add_request(prompt, sampling)
+        return read(step_output)
+    engine._process = read_and_receive
+
+
+def test_a_burst_arriving_during_a_prefill_only_step_joins_the_next_step(make_engine):
+    # The first request of a burst finds the engine idle and is prefilled alone; the rest arrive while
+    # that step runs. The engine reads that step before planning the next, so the next step takes them
+    # all (with the first request's decode) instead of holding that decode alone.
+    engine = make_engine({1: STORY, 2: STORY, 3: STORY}, budget=16)
+    engine.add_request([1, 403, 407], params(1, max_tokens=5))
+    engine.step()
+    assert engine.runner.steps[-1] == [(1, 0, 3, True)]
+    _arriving_while_the_device_runs(engine, [1, 403, 407, 261], params(2, max_tokens=5))
+    engine.step()
+    assert engine.runner.steps[-1] == [(1, 3, 1, False), (2, 0, 4, True)]
+    # Decoding steps stay pipelined: the next step is planned before the one in flight is read, so a
+    # request arriving during that read waits for the step after.
+    _arriving_while_the_device_runs(engine, [1, 403], params(3, max_tokens=5))
+    engine.step()
+    assert [seed for seed, *_ in engine.runner.steps[-1]] == [1, 2]
+    engine.step()
+    assert [seed for seed, *_ in engine.runner.steps[-1]] == [1, 2, 3]
+    while engine.has_unfinished():
+        engine.step()
+    assert_pages_released(engine.scheduler)
+
+
 def test_preemption_under_page_pressure_completes_everything(make_engine):
     # 8 slots but only 12 usable pages of 4 tokens: 8 requests needing ~6 pages each must take turns.
     scripts = {s: [(s * 7 + i) % 400 + 3 for i in range(30)] for s in range(8)}
