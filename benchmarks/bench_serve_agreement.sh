@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # `jaxserve bench serve` beside ../shared/peers/load_bench.py: the same load against the same servers in
 # one run (llama-server and jaxserve, stories260K and the random 124.7M Llama, concurrency 1, 4 and 16,
-# token-id prompts, ignore_eos, more requests at higher concurrency; three rounds, the two tools measuring each level
-# back to back), then a table of each figure's ratio between the two tools and a plot of
-# both servers on the same axes. The two tools must agree within 10%. Needs ../shared/peers/setup.sh once.
+# token-id prompts, ignore_eos, more requests at higher concurrency; four rounds, the two tools measuring each
+# level back to back, in alternating order), then a table of each figure's ratio between the two tools and a
+# plot of both servers on the same axes. The two tools must agree within 10%. Needs ../shared/peers/setup.sh once.
 #   benchmarks/bench_serve_agreement.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,20 +21,23 @@ PP=.venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110
 N=$(nproc)
 if [ "$N" -ge 2 ]; then SERVER="taskset -c 0-$((N - 2))"; CLIENT="taskset -c $((N - 1))"; T=$((N - 1)); else SERVER=""; CLIENT=""; T=1; fi
 wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
-measure() { # url tokenizer prompt-len "n1 n4 n16" name: three rounds; in each, every level is measured by
-  # load_bench.py and then by bench serve, back to back, with new prompts each time. This machine's speed
-  # drifts by tens of percent within minutes: the two tools' figures are compared pair by pair, so that
-  # the drift between pairs cancels out.
+measure() { # url tokenizer prompt-len "n1 n4 n16" name: four rounds; in each, every level is measured by
+  # both tools back to back, with new prompts each time. This machine's speed drifts by tens of percent
+  # within minutes, at times steadily: in one run the tool measured second was 13-23% slower in all three
+  # rounds of a level (llama-server, concurrency 4), and faster when the order was swapped. So the two tools' figures are compared pair by pair, the order
+  # alternates between rounds (load_bench.py first in odd rounds, bench serve first in even ones), and
+  # the table takes the geometric mean of the four paired ratios, in which a steady drift cancels out.
   local counts=($4)
-  for round in 1 2 3; do
+  for round in 1 2 3 4; do
     for i in 0 1 2; do
       c=$(( 4 ** i ))
-      $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids --prompt-len "$3" \
-        --max-tokens 64 --concurrency $c --num-prompts "${counts[$i]}" --ignore-eos --stack "$5" --seed $((round * 100 + c)) \
-        --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"
-      $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len "$3" \
+      lb() { $CLIENT $PP ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$2" --prompt-mode ids \
+        --prompt-len "$3" --max-tokens 64 --concurrency $c --num-prompts "${counts[$i]}" --ignore-eos --stack "$5" \
+        --seed $((round * 100 + c)) --out "$OUT/load_bench.jsonl" 2>&1 | grep "done:"; }
+      bs() { $CLIENT .venv/bin/jaxserve bench serve --base-url "$1" --model m --tokenizer "$2" --random-input-len "$3" \
         --random-output-len 64 --num-prompts "${counts[$i]}" --max-concurrency $c --ignore-eos --no-progress \
-        --seed $((round * 100 + 50 + c)) --label "$5" --save-result "$OUT/$5-r$round-c$c.json" | tail -1
+        --seed $((round * 100 + 50 + c)) --label "$5" --save-result "$OUT/$5-r$round-c$c.json" | tail -1; }
+      if [ $((round % 2)) = 1 ]; then lb "$@"; bs "$@"; else bs "$@"; lb "$@"; fi
     done
   done
 }
@@ -65,18 +68,18 @@ for line in open(out / "load_bench.jsonl"):
         m = r["metrics"]
         theirs[(r["stack"], m["concurrency"])].append((m["output_throughput_tok_s"], m["ttft_ms"]["p50"], m["itl_ms"]["p50"]))
 levels_by_label = collections.defaultdict(list)
-for file in sorted(out.glob("*-r[123]-c*.json")):
+for file in sorted(out.glob("*-r[1234]-c*.json")):
     report = json.loads(file.read_text())
     round_ = int(file.stem.split("-r")[-1].split("-")[0])
     for level in report["levels"]:
         m = level["metrics"]
         ours[(report["label"], level["max_concurrency"])][round_] = (m["output_throughput"], m["ttft_ms"]["p50"], m["itl_ms"]["p50"])
-        if round_ == 2:  # the middle round, for the plots
+        if round_ == 2:  # one middle round, for the plots
             levels_by_label[report["label"]].append(level)
 for label, levels in levels_by_label.items():
     report = {"label": label, "levels": sorted(levels, key=lambda level: level["max_concurrency"])}
     (out / f"{label}.json").write_text(json.dumps(report))
-print("\n| server | conc | out tok/s (load_bench / bench serve) | TTFT p50 ms | ITL p50 ms | paired ratios, median of 3 rounds (tok/s, TTFT, ITL) |")
+print("\n| server | conc | out tok/s (load_bench / bench serve) | TTFT p50 ms | ITL p50 ms | paired ratios, geometric mean of 4 rounds (tok/s, TTFT, ITL) |")
 print("|---|---:|---|---|---|---|")
 worst = 0.0
 for key in sorted(ours):
@@ -84,11 +87,11 @@ for key in sorted(ours):
     a_rows, b_rows = theirs[key][-len(rounds):], [ours[key][r] for r in rounds]
     a = [statistics.median(x) for x in zip(*a_rows)]
     b = [statistics.median(x) for x in zip(*b_rows)]
-    paired = [statistics.median(y / x for x, y in zip(xs, ys)) for xs, ys in zip(zip(*a_rows), zip(*b_rows))]
+    paired = [statistics.geometric_mean(y / x for x, y in zip(xs, ys)) for xs, ys in zip(zip(*a_rows), zip(*b_rows))]
     worst = max(worst, *(abs(r - 1) for r in paired))
     print(f"| {key[0]} | {key[1]} | " + " | ".join(f"{x:.2f} / {y:.2f}" for x, y in zip(a, b)) + " | "
           + ", ".join(f"{r:.3f}" for r in paired) + " |")
-print(f"\nlargest disagreement (paired, median over rounds): {100 * worst:.1f}% (target: within 10%)")
+print(f"\nlargest disagreement (paired, geometric mean over rounds): {100 * worst:.1f}% (target: within 10%)")
 PY
 for model in stories260K llama110m-random; do
   .venv/bin/jaxserve bench plot "$OUT/llama-server-$model.json" "$OUT/jaxserve-$model.json" --out "$OUT/plots-$model"
