@@ -104,7 +104,7 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
         if shards[-1] and filled + size > MAPPED_SHARD_BYTES:
             shards.append([])
             filled = 0
-        shards[-1].append((path, shape))
+        shards[-1].append((path, shape, size))
         filled += size
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -113,8 +113,7 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
         with loading_progress(len(params)) as bar:
             for name, shard in zip(names, shards):
                 header, offset, pad = {"__metadata__": {"format": "jaxserve", "layout": "nnx"}}, 0, 0
-                for path, shape in shard:
-                    size = math.prod(shape) * dtype.itemsize
+                for path, shape, size in shard:
                     header[param_tensor_name(path)] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                                                        "data_offsets": [offset, offset + size]}
                     weight_map[param_tensor_name(path)] = name
@@ -127,7 +126,7 @@ def save_mapped(model_dir: str | Path, output: str | Path, dtype) -> int:
                 encoded += b" " * (-(8 + len(encoded)) % HOST_ALIGNMENT)
                 with open(output / name, "wb") as f:
                     f.write(len(encoded).to_bytes(8, "little") + encoded)
-                    for path, shape in shard:
+                    for path, shape, _ in shard:
                         data = host_buffer(shape, dtype)
                         reader.reader(path, shape)(tuple(slice(None) for _ in shape), data)
                         f.write(memoryview(data.reshape(-1).view(np.uint8)))
