@@ -113,15 +113,15 @@ def _serve(ns) -> int:
     rates = ns.request_rate.split(",")
     concurrencies = [int(c) for c in ns.max_concurrency.split(",")] if ns.max_concurrency else [None]
     counts = _level_counts(ns.num_prompts, len(rates) * len(concurrencies))
-    requests = _requests(ns, tokenizer, ns.seed, max(counts))
-    chat = ns.endpoint == "chat" or any(r.messages for r in requests)
-    if chat and any(isinstance(r.prompt, list) for r in requests):
+    # Each level's requests, its untimed warm-ups last.
+    per_level = [_requests(ns, tokenizer, ns.seed + 1 + i, count + ns.num_warmups) for i, count in enumerate(counts)]
+    chat = ns.endpoint == "chat" or any(r.messages for level in per_level for r in level)
+    if chat and any(isinstance(r.prompt, list) for level in per_level for r in level):
         raise ValueError("the chat endpoint takes text: use --random-prompt-form text")
     levels = []
     for rate in rates:
         for concurrency in concurrencies:
-            count = counts[len(levels)]
-            requests = _requests(ns, tokenizer, ns.seed + 1 + len(levels), count + ns.num_warmups)
+            count, requests = counts[len(levels)], per_level[len(levels)]
             results, duration = asyncio.run(serve.run_level(
                 ns.base_url, model, requests[:count], chat=chat, rate=float(rate), burstiness=ns.burstiness,
                 max_concurrency=concurrency, temperature=ns.temperature, ignore_eos=ns.ignore_eos, seed=ns.seed,
