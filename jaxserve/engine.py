@@ -292,6 +292,7 @@ class Engine:
         launched = None
         if not plan.empty:
             launched = self.runner.launch(plan, masks=self._grammar_masks(plan))
+            self.stats.count_step(plan)
             for chunk in plan.chunks:
                 if chunk.is_prefill:
                     self.stats.prompt_tokens += chunk.num_tokens
@@ -526,3 +527,13 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.time)
+    # Device steps launched, and the sequences and tokens they held (padding excluded). Their ratios are the
+    # batching a load got: sequences per step is what continuous batching raises with concurrency.
+    steps: int = 0
+    step_sequences: int = 0
+    step_tokens: int = 0
+
+    def count_step(self, plan) -> None:
+        self.steps += 1
+        self.step_sequences += len(plan.chunks)
+        self.step_tokens += plan.num_tokens

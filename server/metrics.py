@@ -2,8 +2,8 @@
 
 Latency histograms and token counters are fed by the request handlers as tokens reach the client;
 state gauges (running, waiting, KV usage) and engine-owned counters (compilations since warm-up,
-preemptions, prefix-cache queries and hits in tokens) are read from the engine at scrape time, so they
-never drift from the truth.
+preemptions, prefix-cache queries and hits in tokens, steps and the sequences and tokens they held)
+are read from the engine at scrape time, so they never drift from the truth.
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ class _EngineStateCollector:
                                       "Prompt tokens looked up in the prefix cache (at each admission)")
         hits = CounterMetricFamily("jaxserve:prefix_cache_hits",
                                    "Prompt tokens whose KV pages came from the prefix cache")
+        steps = CounterMetricFamily("jaxserve:engine_steps", "Device steps the engine launched")
+        step_sequences = CounterMetricFamily("jaxserve:engine_step_sequences",
+                                             "Sequences the steps held (per step: the batch size)")
+        step_tokens = CounterMetricFamily("jaxserve:engine_step_tokens",
+                                          "Tokens the steps held, prompt and decode, padding excluded")
         running.add_metric([], len(scheduler.running) if scheduler else 0)
         waiting.add_metric([], len(scheduler.waiting) if scheduler else 0)
         usage.add_metric([], scheduler.kv_usage() if scheduler else 0.0)
@@ -41,6 +46,10 @@ class _EngineStateCollector:
         preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
         queries.add_metric([], scheduler.prefix_cache_queries if scheduler else 0)
         hits.add_metric([], scheduler.prefix_cache_hits if scheduler else 0)
+        stats = engine.stats if ready else None
+        steps.add_metric([], stats.steps if stats else 0)
+        step_sequences.add_metric([], stats.step_sequences if stats else 0)
+        step_tokens.add_metric([], stats.step_tokens if stats else 0)
         startup = GaugeMetricFamily("jaxserve:startup_seconds", "Seconds each start-up phase took (total: to ready)",
                                     labels=["phase"])
         for phase, seconds in (engine.startup_seconds.items() if ready else ()):
@@ -50,7 +59,8 @@ class _EngineStateCollector:
         if ready:
             programs.add_metric(["ready"], len(engine.runner.ready_buckets))
             programs.add_metric(["total"], len(engine.runner.layouts))
-        yield from (running, waiting, usage, compiles, preemptions, queries, hits, startup, programs)
+        yield from (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
+                    startup, programs)
 
 
 class Metrics:

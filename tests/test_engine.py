@@ -202,6 +202,21 @@ def test_a_burst_arriving_during_a_prefill_only_step_joins_the_next_step(make_en
     assert_pages_released(engine.scheduler)
 
 
+def test_step_counters_add_up_what_each_launched_step_held(make_engine):
+    # The counters /metrics shows as jaxserve:engine_step_*: steps, and the sequences and tokens in them.
+    engine = make_engine({s: STORY for s in range(4)}, budget=16)
+    stats, steps = engine.stats, engine.runner.steps
+    run_all(engine, [([1, 403, 407, 261], params(0, max_tokens=6))])
+    assert stats.step_sequences == stats.steps == len(steps)  # one request: one sequence per step
+    alone = stats.steps
+    run_all(engine, [([1, 403, 407, 261], params(s, max_tokens=6)) for s in range(1, 4)])
+    assert stats.steps == len(steps)
+    assert stats.step_sequences == sum(len(step) for step in steps)
+    assert stats.step_tokens == sum(n for step in steps for _, _, n, _ in step)
+    assert stats.step_tokens >= 4 * 4 + 4 * 5  # every prompt token, and every sampled token but the last
+    assert stats.steps - alone < 3 * alone / 2  # three requests at once share their steps
+
+
 def test_preemption_under_page_pressure_completes_everything(make_engine):
     # 8 slots but only 12 usable pages of 4 tokens: 8 requests needing ~6 pages each must take turns.
     scripts = {s: [(s * 7 + i) % 400 + 3 for i in range(30)] for s in range(8)}

@@ -231,6 +231,8 @@ def test_mixed_workload_never_recompiles_and_leaks_nothing(server):
     queries = metrics["jaxserve:prefix_cache_queries_total"] - before["jaxserve:prefix_cache_queries_total"]
     assert hits >= 60 * 32 and queries >= sum(len(b["prompt"]) for b in bodies) > hits
     assert "jaxserve:num_preemptions_total" in metrics
+    steps = metrics["jaxserve:engine_steps_total"]
+    assert 0 < steps < metrics["jaxserve:engine_step_sequences_total"] <= metrics["jaxserve:engine_step_tokens_total"]
     assert_pages_released(engine.scheduler)
     assert sum(d is not None for d in drops) > 10 and engine.stats.finished.get("abort", 0) > 0
 
