@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
 from jaxserve.weights import SafetensorsFile, SafetensorsReader, copy_transposed, load_model, resolve_dtype
-from sharding.loading import host_buffer
+from sharding.loading import SMALL_PAGES_FROM, host_buffer
 
 
 def _copy_config(src, dst):
@@ -121,13 +122,38 @@ def test_reader_fills_transposed_regions_of_a_linear_kernel(stories_dir):
 
 
 def test_host_buffers_are_aligned_for_zero_copy_device_arrays():
-    for shape in [(3,), (17, 5), (2048, 64)]:
+    for shape in [(3,), (17, 5), (2048, 64), (1024, 1025)]:  # the last is over SMALL_PAGES_FROM: a mapping
         buffer = host_buffer(shape, np.float32)
         assert buffer.ctypes.data % 64 == 0 and buffer.shape == shape and buffer.flags.c_contiguous
+        assert buffer.flags.writeable
     if jax.default_backend() == "cpu":  # XLA:CPU adopts the buffer: one copy of the weights, not two
-        buffer = host_buffer((256, 256), np.float32)
-        buffer[...] = 1.0
-        assert np.shares_memory(np.asarray(jax.device_put(buffer)), buffer)
+        for shape in [(256, 256), (1024, 1025)]:
+            buffer = host_buffer(shape, np.float32)
+            buffer[...] = 1.0
+            device = jax.device_put(buffer)
+            assert np.shares_memory(np.asarray(device), buffer)
+            del buffer  # the device array keeps the memory (for a mapping: the mapping) alive
+            assert float(device[-1, -1]) == 1.0 and float(device.sum()) == np.prod(shape)
+
+
+def _vma_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping of this process that holds `address` (Linux)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_large_host_buffers_are_mapped_in_small_pages():
+    """numpy asks for transparent huge pages above 4 MiB; loading buffers opt out (see host_buffer)."""
+    large = host_buffer((SMALL_PAGES_FROM // 4,), np.float32)
+    assert "nh" in _vma_flags(large.ctypes.data)
 
 
 @pytest.mark.parametrize("head", [(2**62).to_bytes(8, "little"), (0).to_bytes(8, "little"),
