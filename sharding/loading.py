@@ -45,11 +45,13 @@ def host_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     the device and freed.
 
     Large buffers are anonymous mappings in small (4 KiB) pages. numpy asks for transparent huge pages
-    for every array over 4 MiB, and on a VM whose host backs guest memory lazily (here, Firecracker with
-    free page reporting) faulting fresh huge pages ran at 0.2-0.5 GB/s against 1-2 GB/s in small pages,
-    which made a first start's loading that slow. Weights are streamed in order, so small pages cost the
-    matmuls nothing measurable (1.1B float32 decode: 9.0 and 9.2 tok/s in huge pages, 9.1 and 8.7 in
-    small), and llama.cpp computes from small page-cache pages too. Mappings are page aligned."""
+    for every array over 4 MiB, and on a VM whose host backs guest memory lazily (the development
+    machine: Firecracker with free page reporting) fresh huge pages fault in slowly: the serving loader
+    read a 1.1B float32 model at 1.1-2.0 GB/s into small pages against 0.35-1.55 GB/s into huge ones,
+    and at 0.52-0.62 against 0.39-0.54 once the host had taken freed memory back. Weights stream through
+    the matmuls in order, so the TLB gains little from huge pages: batch-1 decode in small pages read
+    0.986x of huge pages over six paired runs (within the machine's scatter), and llama.cpp computes from
+    small page-cache pages too. Mappings are page aligned. See docs/performance.md, cold start."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes >= SMALL_PAGES_FROM and hasattr(mmap, "MADV_NOHUGEPAGE"):
