@@ -52,7 +52,7 @@ def e2e_config(args, num_layers: int, vocab: int, max_len: int):
 
 def e2e_build(engine_args, config, dtype, seed: int):
     """The engine's own path: a random NNX module, sharded onto the (one-device) mesh by `build_from_module`."""
-    from jaxserve.engine_args import build_from_module
+    from jaxserve.model_builder import build_from_module
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import random_model
     # Token-id prompts: the byte-level tokenizer only detokenizes the samples (unknown ids decode to "").

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.config import ModelConfig
-from jaxserve.engine_args import build_from_module
+from jaxserve.model_builder import build_from_module
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.weights import random_model
 

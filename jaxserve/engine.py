@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine_args import BuiltModel, EngineArgs, build_model
+from jaxserve.engine_args import EngineArgs
+from jaxserve.model_builder import BuiltModel, build_model
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, logprob_entries
 from jaxserve.runner import CompilationEvents, ModelRunner, StepOutput, WarmupReport
 from jaxserve.sampling import InvalidParameter, SamplingParams
@@ -70,7 +71,7 @@ class _Tracked:
 
 class Engine:
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
-        """`built`: a model assembled by the caller (`engine_args.build_from_module`); default: `build_model(args)`."""
+        """`built`: a model assembled by the caller (`model_builder.build_from_module`); default: `build_model(args)`."""
         CompilationEvents.install()
         started = time.perf_counter()
         self.args = args

@@ -124,3 +124,19 @@ def test_token_id_prompts_begin_as_the_tokenizer_begins_text(stories_dir):
         assert len(request.prompt) == 11 and request.prompt[0] == 1
     texts = random_requests(2, 16, 4, 0.0, 0, tokenizer, form="text")
     assert all(isinstance(r.prompt, str) for r in texts)  # the server adds the BOS to text itself
+
+
+def test_the_load_generator_does_not_load_the_engine():
+    """`bench serve` only talks HTTP: loading JAX would cost its client a couple of seconds of CPU and a
+    heap ten times the size before it measures anything, and `--help` would take as long. A new
+    interpreter, because this one has long imported JAX."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from jaxserve.cli import build_parser\n"
+             "build_parser().parse_args(['bench', 'serve', '--base-url', 'http://127.0.0.1:1'])\n"
+             "import jaxserve, jaxserve.bench.serve, jaxserve.bench.datasets, jaxserve.bench.plot\n"
+             "print(sorted(m for m in ('jax', 'flax', 'jaxlib') if m in sys.modules))\n")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
