@@ -72,7 +72,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--compilation-cache-dir", default="~/.cache/jaxserve/xla",
-                   help="JAX persistent compilation cache ('' to disable)")
+                   help="JAX persistent compilation cache, and jaxserve's compiled step programs in "
+                        "jaxserve-programs/ inside it ('' to disable both)")
     g.add_argument("--warmup", choices=["background", "full"], default="background",
                    help="background (default): ready once one step program can serve every step, the other "
                         "buckets compile while serving; full: ready once every program is compiled")

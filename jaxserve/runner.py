@@ -15,7 +15,9 @@
    compile counter lets tests assert that none follow. With `background=True` it returns once the one
    program that can run any step is ready (the smallest bucket that holds every decode slot) and compiles
    the rest on a thread: until a bucket is ready, steps go to the next bigger ready one and the scheduler
-   plans no step bigger than the biggest ready one, so nothing ever compiles on the step path.
+   plans no step bigger than the biggest ready one, so nothing ever compiles on the step path. A program
+   this code compiled before, for the same shapes and devices, is loaded from the program cache
+   (`program_cache.py`) without being traced.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jaxserve.batch import BatchBuilder, BatchLayout, StepBatch
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.kv_cache import NULL_PAGE, KVCache, pages_needed
 from jaxserve.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
+from jaxserve.program_cache import ProgramCache
 from jaxserve.sampling import sample
 from jaxserve.scheduler import ScheduledChunk, StepPlan
 from jaxserve.sharded_model import ShardedModel
@@ -133,6 +136,7 @@ class ModelRunner:
         self.mask_words = (model_config.vocab_size + 31) // 32
         self._open_masks = {b: jax.device_put(self.open_masks(layout), rep) for b, layout in self.layouts.items()}
         self._compiled: dict[int, jax.stages.Compiled] = {}  # token bucket -> its step, compiled by warmup()
+        self.programs = ProgramCache(None)  # set by warmup(): beside JAX's persistent cache, when it has one
         # Buckets whose program is ready, ascending; replaced whole (never mutated) by the warm-up thread.
         self.ready_buckets: tuple[int, ...] = tuple(self.layouts)
         self.warmup_done = threading.Event()
@@ -268,7 +272,9 @@ class ModelRunner:
         bucket of a big model costs seconds to run and teaches the compiler nothing. With `background`,
         return once the first program (see `compile_order`) is ready and compile the rest on a thread;
         `warmup_report` is filled, `on_done(report)` called and `warmup_done` set when all are."""
-        start, hits = time.perf_counter(), CompilationEvents.cache_hits
+        start = time.perf_counter()
+        hits, loaded = CompilationEvents.cache_hits, CompilationEvents.program_cache_hits
+        self.programs = ProgramCache.beside_jax_cache()
         order = self.compile_order()
         if background and self.plan.process_count > 1:
             background = False  # followers compile as the leader's steps reach them: one program at a time
@@ -281,11 +287,14 @@ class ModelRunner:
 
         def finish() -> None:
             bar.close()
-            self.warmup_report = WarmupReport(len(self.ready_buckets), CompilationEvents.cache_hits - hits,
-                                              time.perf_counter() - start)
+            executables = CompilationEvents.program_cache_hits - loaded
+            self.warmup_report = WarmupReport(len(self.ready_buckets),
+                                              CompilationEvents.cache_hits - hits + executables,
+                                              time.perf_counter() - start, executables)
             logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent "
-                        "compilation cache", self.warmup_report.programs, ",".join(map(str, self.ready_buckets)),
-                        self.warmup_report.seconds, self.warmup_report.cache_hits)
+                        "compilation cache (%d of them as executables, not traced)", self.warmup_report.programs,
+                        ",".join(map(str, self.ready_buckets)), self.warmup_report.seconds,
+                        self.warmup_report.cache_hits, executables)
             if on_done is not None:
                 on_done(self.warmup_report)
             self.warmup_done.set()
@@ -335,17 +344,33 @@ class ModelRunner:
                     # the leader's step reaches them. No sequences: every token writes to the null page.
                     self._lead(None, layout, *layout.empty(self.builder.scratch_slot), None, with_logits=False).tokens()
                 else:
-                    self._compiled[bucket] = self._lower(layout).compile()
+                    self._compiled[bucket] = self._load_or_compile(layout)
             self.ready_buckets = tuple(sorted(self.ready_buckets + (bucket,)))
             bar.update()
 
-    def _lower(self, layout: BatchLayout):
+    def _load_or_compile(self, layout: BatchLayout) -> jax.stages.Compiled:
+        """The step program of `layout`: from the program cache when this code has compiled it before,
+        else lowered and compiled (through JAX's persistent cache) and stored."""
+        key = ProgramCache.key(_signature(self._program_inputs(layout)), layout, self.graphdef, self.attention,
+                               self.model_config, self.plan.pp, self.plan.mesh.device_ids,
+                               self.scheduler_config.max_num_seqs, self.sampler_config.max_logprobs)
+        compiled = self.programs.load(key, self.plan.mesh.devices.flat)
+        if compiled is not None:
+            CompilationEvents.loaded_from_program_cache()
+            return compiled
+        compiled = self._lower(layout).compile()
+        self.programs.store(key, compiled)
+        return compiled
+
+    def _program_inputs(self, layout: BatchLayout) -> tuple:
         # Abstract arguments: the engine thread may be running (and donating) the cache and sampler state
         # meanwhile; only their shapes and shardings matter here.
         ints, floats = layout.empty(self.builder.scratch_slot)
-        return self._step.lower(_abstract(self._param_leaves), self.kv_abstract, _abstract(self.sampler_state),
-                                _abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens], layout,
-                                False)
+        return (_abstract(self._param_leaves), self.kv_abstract, _abstract(self.sampler_state),
+                _abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens])
+
+    def _lower(self, layout: BatchLayout):
+        return self._step.lower(*self._program_inputs(layout), layout, False)
 
 
 _WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag (multi-host)
@@ -354,8 +379,9 @@ _WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag (multi-host)
 @dataclasses.dataclass
 class WarmupReport:
     programs: int  # step programs compiled
-    cache_hits: int  # of those, loaded from the persistent compilation cache
+    cache_hits: int  # of those, loaded from a persistent cache (JAX's, or the program cache)
     seconds: float
+    program_cache_hits: int = 0  # of the hits, executables loaded without tracing (jaxserve/program_cache.py)
 
 
 class CompilationEvents:
@@ -369,6 +395,7 @@ class CompilationEvents:
     lowered = 0  # outside warm-up: what a step had to compile
     lowered_in_warmup = 0
     cache_hits = 0
+    program_cache_hits = 0  # counted by the runner: these never reach JAX's compile path
     _installed = False
 
     @classmethod
@@ -398,6 +425,11 @@ class CompilationEvents:
                 cls.lowered += 1
 
     @classmethod
+    def loaded_from_program_cache(cls) -> None:
+        with cls._lock:  # engines in one process may warm up at once
+            cls.program_cache_hits += 1
+
+    @classmethod
     def _on_event(cls, event: str, **_) -> None:
         if event == cls._CACHE_HIT:
             cls.cache_hits += 1
@@ -406,6 +438,12 @@ class CompilationEvents:
 def _abstract(tree):
     """The arrays of `tree` as shapes, dtypes and shardings (what lowering a program needs of them)."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _signature(tree):
+    """Shapes, dtypes and shardings of `tree` (device or host arrays): what a compiled program takes."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                        tree)
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The persistent compilation cache: a restarted server's warm-up loads its programs from disk."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,33 +16,40 @@ engine = Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tok
 engine.warmup()
 report = engine.warmup_report
 engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=8))  # prefill chunks + decodes
+tokens = []
 while engine.has_unfinished():
-    engine.step()
-print('report', report.programs, report.cache_hits, engine.compilations_since_warmup, sorted(engine.startup_seconds))
+    tokens += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+print('tokens', tokens)
+print('report', report.programs, report.cache_hits, report.program_cache_hits, engine.compilations_since_warmup,
+      sorted(engine.startup_seconds))
 print('cache', events['cache_hits'], events['cache_misses'])
 """
 
 
-def _warmup_cache_use(cache_dir) -> tuple[int, int, str]:
-    """(hits, misses) of the persistent cache over one process's engine start and warm-up, and the engine's
-    own report: programs compiled, of those from the cache, compilations after warm-up, start-up phases."""
+def _warmup_cache_use(cache_dir) -> tuple[int, int, str, str]:
+    """(hits, misses) of JAX's persistent cache over one process's engine start and warm-up, the engine's
+    own report (programs compiled, of those from a cache, of those from the program cache, compilations
+    after warm-up, start-up phases) and the tokens it then generated."""
     out = subprocess.run([sys.executable, "-c", WARMUP_AND_COUNT_HITS, str(cache_dir)], capture_output=True,
                          text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr
     hits, misses = out.stdout.split("cache")[-1].split()
-    return int(hits), int(misses), out.stdout.split("report ")[1].split("\n")[0]
+    return (int(hits), int(misses), out.stdout.split("report ")[1].split("\n")[0],
+            out.stdout.split("tokens ")[1].split("\n")[0])
 
 
 PHASES = "['all_programs', 'compile', 'kv_cache', 'total', 'weights']"
 
 
 def test_restart_compiles_from_cache_and_reports_every_program_as_a_hit(tmp_path):
-    _, misses, report = _warmup_cache_use(tmp_path)
+    _, misses, report, tokens = _warmup_cache_use(tmp_path)
     assert misses > 0 and any(tmp_path.iterdir())  # first start: programs compiled and written
-    programs, hits, after, phases = report.split(" ", 3)
+    programs, hits, executables, after, phases = report.split(" ", 4)
     # Warm-up compiled every program ahead of time: a workload that uses several buckets compiles nothing.
-    assert int(programs) > 1 and int(hits) == 0 and int(after) == 0 and phases == PHASES
-    hits, misses, report = _warmup_cache_use(tmp_path)
-    assert misses == 0 and hits > 0  # restart: every program comes from the cache
-    programs, report_hits, after, _ = report.split(" ", 3)
-    assert int(report_hits) == int(programs) and int(after) == 0
+    assert int(programs) > 1 and int(hits) == int(executables) == 0 and int(after) == 0 and phases == PHASES
+    hits, misses, report, tokens_again = _warmup_cache_use(tmp_path)
+    assert misses == 0 and hits > 0  # restart: every program comes from the caches, nothing is compiled
+    programs, report_hits, executables, after, _ = report.split(" ", 4)
+    # The step programs come from the program cache (not traced at all), and compute what they did.
+    assert int(report_hits) == int(executables) == int(programs) and int(after) == 0
+    assert tokens_again == tokens and len(json.loads(tokens)[0]) == 8

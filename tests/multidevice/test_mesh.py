@@ -84,3 +84,18 @@ def test_sharded_logits_match_transformers(case, tp, pp):
     # Mixed ragged batches: with pp 2 the target's prefill chunk straddles the two pipeline microbatches.
     runner = make_runner(case, parallel=ParallelConfig(tp, pp))
     check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)
+
+
+def test_a_restart_on_a_mesh_loads_its_programs_and_matches_one_device(stories_dir, one_device_tokens, tmp_path,
+                                                                        monkeypatch):
+    """Programs split over tensor and pipeline parallel devices come back from the program cache on the
+    devices they were compiled for, and compute what one device computes."""
+    from jaxserve.program_cache import ProgramCache
+    monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
+    for restart in (False, True):
+        llm = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                  tensor_parallel_size=2, pipeline_parallel_size=2)
+        report = llm.engine.warmup_report
+        assert report.programs > 1 and report.program_cache_hits == (report.programs if restart else 0)
+        assert _greedy(llm) == one_device_tokens
+        assert llm.engine.compilations_since_warmup == 0
