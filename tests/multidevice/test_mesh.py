@@ -93,7 +93,8 @@ def test_a_restart_on_a_mesh_loads_its_programs_and_matches_one_device(stories_d
     from jaxserve.program_cache import ProgramCache
     monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
     for restart in (False, True):
-        llm = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+        # Two step programs (not six): the test is about loading them, and each compiles for seconds.
+        llm = LLM(str(stories_dir), max_num_seqs=4, token_buckets=(4, 8), max_model_len=128,
                   tensor_parallel_size=2, pipeline_parallel_size=2)
         report = llm.engine.warmup_report
         assert report.programs > 1 and report.program_cache_hits == (report.programs if restart else 0)
