@@ -351,7 +351,7 @@ class ModelRunner:
     def _load_or_compile(self, layout: BatchLayout) -> jax.stages.Compiled:
         """The step program of `layout`: from the program cache when this code has compiled it before,
         else lowered and compiled (through JAX's persistent cache) and stored."""
-        key = ProgramCache.key(_signature(self._program_inputs(layout)), layout, self.graphdef, self.attention,
+        key = ProgramCache.key(_abstract(self._program_inputs(layout)), layout, self.graphdef, self.attention,
                                self.model_config, self.plan.pp, self.plan.mesh.device_ids,
                                self.scheduler_config.max_num_seqs, self.sampler_config.max_logprobs)
         compiled = self.programs.load(key, self.plan.mesh.devices.flat)
@@ -436,12 +436,8 @@ class CompilationEvents:
 
 
 def _abstract(tree):
-    """The arrays of `tree` as shapes, dtypes and shardings (what lowering a program needs of them)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
-def _signature(tree):
-    """Shapes, dtypes and shardings of `tree` (device or host arrays): what a compiled program takes."""
+    """The arrays of `tree` (device or host) as shapes, dtypes and shardings: what lowering a program needs
+    of them, and what the program cache keys it by."""
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                         tree)
 
