@@ -41,6 +41,7 @@ from jaxserve.engine import RequestOutput
 from jaxserve import __version__
 from jaxserve.sampling import InvalidParameter, SamplingParams
 from jaxserve.tokenizer import ChatTemplateError
+from server import playground
 from server.guards import RequestGuard
 from server.metrics import Metrics
 from server.openapi import openapi_document
@@ -396,6 +397,7 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/version", api.version, methods=["GET"]),
+        *playground.routes(),
     ], exception_handlers={404: not_found, 405: not_found, Exception: unhandled})
     app.state.api = api
     return app

@@ -2,8 +2,9 @@
 
 1. Request id: an `X-Request-Id` header is kept (a new one is made when absent or unusable) and echoed
    on the response, so a client can quote it and the logs can find it.
-2. Authentication (`--api-key`): every path but `/health` needs `Authorization: Bearer <key>`. The key is
-   compared in constant time, and the decision uses the ASGI scope's path, never a header a client sets
+2. Authentication (`--api-key`): every path but `/health` and the playground's page and files needs
+   `Authorization: Bearer <key>`. The key is compared in constant time, and the decision uses the path
+   the router matches (the ASGI scope's, less a `--root-path` mount point), never a header a client sets
    (Host, X-Forwarded-*), so no crafted request reaches a route unauthenticated.
 3. Content type: a request with a body must declare `application/json`, or it is refused with 415. A
    browser may post `text/plain` to a loopback server without a CORS preflight; it cannot post JSON.
@@ -20,9 +21,13 @@ import json
 import re
 import uuid
 
+from server import playground
 from server.protocol import error_body
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", *playground.PAGE_PATHS})
+# The playground's files, by name (no folders, no dots but the extension's): the page needs them before it
+# can ask for a key.
+_PUBLIC_FILE = re.compile("^" + re.escape(playground.ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -73,7 +78,7 @@ class RequestGuard:
         await self.app(scope, replay, send_with_id)
 
     def _refusal(self, scope, headers: dict) -> tuple | None:
-        if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
+        if self.api_key is not None and not _is_public(_route_path(scope)):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 return 401, "Invalid or missing API key: send `Authorization: Bearer <key>`", \
@@ -92,6 +97,16 @@ class RequestGuard:
     def _too_large(self) -> tuple:
         return (f"Request body exceeds the limit of {self.max_body_bytes} bytes (--max-request-body-bytes)",
                 "invalid_request_error", None, "request_too_large")
+
+
+def _route_path(scope) -> str:
+    """The path as the router matches it: uvicorn's --root-path is prepended to the scope's path."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or _PUBLIC_FILE.match(path) is not None
 
 
 async def _refuse(send, status: int, message: str, type_: str, param, code, request_id: str) -> None:

@@ -1,0 +1,352 @@
+// The playground page: chat and raw completion against this server, streamed as the model writes.
+//
+// 1. On load: restore the settings and both conversations (store.js), then list the models. A 401 opens
+//    the API-key dialog; a 503 (the model still compiling) is retried until the server is ready.
+// 2. Send (the button, or Enter; Shift+Enter is a new line) appends the user's text and an empty answer,
+//    builds the request from the conversation and the settings, and streams it (api.js). Each chunk
+//    grows the answer in place and updates its TTFT and tokens per second.
+// 3. Stop aborts the fetch: the server sees the connection close and ends the request. Regenerate
+//    replaces the last answer with a fresh one. The conversation is saved at each step, so a reload
+//    keeps it (an answer cut by the reload is marked stopped).
+
+import {AuthError, Client} from "./api.js";
+import {store} from "./store.js";
+import {render, update} from "./transcript.js";
+
+const $ = (id) => document.getElementById(id);
+const FIELDS = ["system", "temperature", "top_p", "top_k", "max_tokens", "seed", "stop_strings", "json_schema",
+                "extra"];
+const DEFAULTS = {max_tokens: "256"};
+const PATHS = {chat: "v1/chat/completions", completion: "v1/completions"};
+
+const state = {
+  mode: store.mode() === "completion" ? "completion" : "chat",
+  history: {chat: store.history("chat"), completion: store.history("completion")},
+  running: null,  // {controller, entry} while an answer streams
+  apiKey: store.apiKey(),
+  models: [],
+};
+const client = new Client(() => state.apiKey);
+
+// ---- settings ----------------------------------------------------------------------------------------
+
+function restoreSettings() {
+  const saved = {...DEFAULTS, ...store.settings()};
+  for (const name of FIELDS) $(name).value = saved[name] ?? "";
+}
+
+function saveSettings() {
+  store.saveSettings(Object.fromEntries(FIELDS.map((name) => [name, $(name).value])));
+}
+
+// A JSON box's value (undefined when empty); a parse error is shown beside the box and thrown.
+function jsonField(name, mustBeObject) {
+  const text = $(name).value.trim();
+  const error = $(`${name}-error`);
+  error.hidden = true;
+  if (!text) return undefined;
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (e) {
+    error.textContent = `Not valid JSON: ${e.message}`;
+    error.hidden = false;
+    throw new Error(`${$(name).labels[0].firstChild.textContent.trim()}: not valid JSON`);
+  }
+  if (mustBeObject && (typeof value !== "object" || value === null || Array.isArray(value))) {
+    error.textContent = "Must be a JSON object";
+    error.hidden = false;
+    throw new Error(`${$(name).labels[0].firstChild.textContent.trim()}: must be a JSON object`);
+  }
+  return value;
+}
+
+function numberField(name) {
+  const text = $(name).value.trim();
+  if (!text) return undefined;
+  const value = Number(text);
+  if (!Number.isFinite(value)) throw new Error(`${name} must be a number`);
+  return value;
+}
+
+// The request fields the settings ask for; empty fields are left out, so the server's defaults apply.
+function samplingFields() {
+  const fields = {...jsonField("extra", true)};
+  for (const name of ["temperature", "top_p", "top_k", "max_tokens", "seed"]) {
+    const value = numberField(name);
+    if (value !== undefined) fields[name] = value;
+  }
+  const stop = $("stop_strings").value.split("\n").filter((line) => line !== "");
+  if (stop.length) fields.stop = stop;
+  const schema = jsonField("json_schema", true);
+  if (schema !== undefined) {
+    fields.response_format = {type: "json_schema", json_schema: {name: "playground", schema, strict: true}};
+  }
+  return fields;
+}
+
+// ---- requests ----------------------------------------------------------------------------------------
+
+function requestBody(entry, fields) {
+  const body = {...fields, stream: true, stream_options: {include_usage: true, continuous_usage_stats: true}};
+  if ($("model").value) body.model = $("model").value;
+  if (entry.role === "completion") return {...body, prompt: entry.prompt};
+  const before = state.history.chat.slice(0, state.history.chat.indexOf(entry));
+  const messages = before.filter((m) => m.content || m.role === "user")
+                         .map((m) => ({role: m.role, content: m.content}));
+  const system = $("system").value;
+  return {...body, messages: system ? [{role: "system", content: system}, ...messages] : messages};
+}
+
+async function run(entry, fields) {
+  const mode = state.mode;
+  const controller = new AbortController();
+  state.running = {controller, entry};
+  Object.assign(entry, {content: "", reasoning: "", error: "", state: "streaming", stats: {}});
+  const node = drawEntry(entry);
+  refreshControls();
+  save(mode);
+  const stats = entry.stats;
+  const started = performance.now();
+  let first = null;  // [time, tokens] at the first token
+  let chunks = 0;
+  try {
+    await client.stream(PATHS[mode], requestBody(entry, fields), controller.signal, (chunk) => {
+      const choice = (chunk.choices || [])[0];
+      const piece = choice ? (mode === "chat" ? choice.delta?.content : choice.text) : "";
+      const thought = choice?.delta?.reasoning_content;
+      const now = performance.now();
+      if (piece) entry.content += piece;
+      if (thought) entry.reasoning += thought;
+      if (piece || thought) chunks += 1;
+      if (chunk.usage) stats.tokens = chunk.usage.completion_tokens;
+      else if (piece || thought) stats.tokens = chunks;
+      if ((piece || thought) && first === null) {
+        stats.ttftMs = now - started;
+        first = [now, stats.tokens];
+      } else if (first && stats.tokens > first[1] && now > first[0]) {
+        stats.tokensPerSecond = (stats.tokens - first[1]) / ((now - first[0]) / 1000);
+      }
+      if (choice?.finish_reason) stats.finish = choice.finish_reason;
+      update(node, entry);
+    });
+    entry.state = "done";
+  } catch (e) {
+    if (e.name === "AbortError") {
+      entry.state = "stopped";
+    } else {
+      entry.state = "error";
+      entry.error = e.message || String(e);
+      if (e instanceof AuthError) askForKey(e.message);
+    }
+  } finally {
+    state.running = null;
+    update(node, entry);
+    save(mode);
+    refreshControls();
+  }
+}
+
+function send() {
+  if (state.running) return;
+  const text = $("prompt").value;
+  if (!text.trim()) return;
+  let fields;
+  try {
+    fields = samplingFields();
+  } catch (e) {
+    setStatus(e.message);
+    return;  // the typed text stays, so it can be sent once the setting is fixed
+  }
+  const history = state.history[state.mode];
+  let entry;
+  if (state.mode === "chat") {
+    history.push({role: "user", content: text});
+    entry = {role: "assistant", content: ""};
+  } else {
+    entry = {role: "completion", prompt: text, content: ""};
+  }
+  history.push(entry);
+  $("prompt").value = "";
+  drawTranscript();
+  run(entry, fields);
+}
+
+function regenerate() {
+  if (state.running) return;
+  const history = state.history[state.mode];
+  let entry = history[history.length - 1];
+  if (!entry) return;
+  let fields;
+  try {
+    fields = samplingFields();
+  } catch (e) {
+    setStatus(e.message);
+    return;
+  }
+  if (entry.role === "user") {  // its answer failed to start: answer it now
+    entry = {role: "assistant", content: ""};
+    history.push(entry);
+    drawTranscript();
+  }
+  run(entry, fields);
+}
+
+// ---- drawing -----------------------------------------------------------------------------------------
+
+const nodes = new WeakMap();  // entry -> its element
+
+function drawTranscript() {
+  const transcript = $("transcript");
+  for (const node of transcript.querySelectorAll("article")) node.remove();
+  const history = state.history[state.mode];
+  $("empty-hint").hidden = history.length > 0;
+  for (const entry of history) {
+    const node = render(entry);
+    nodes.set(entry, node);
+    transcript.append(node);
+  }
+  transcript.scrollTop = transcript.scrollHeight;
+}
+
+function drawEntry(entry) {
+  const node = nodes.get(entry);
+  update(node, entry);
+  node.scrollIntoView({block: "end"});
+  return node;
+}
+
+function refreshControls() {
+  const busy = state.running !== null;
+  const history = state.history[state.mode];
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("regenerate").disabled = busy || history.length === 0;
+  $("clear").disabled = busy;
+  for (const radio of document.querySelectorAll("input[name=mode]")) radio.disabled = busy;
+  $("transcript").setAttribute("aria-busy", String(busy));
+  document.body.classList.toggle("completion-mode", state.mode === "completion");
+}
+
+function setStatus(text) {
+  $("server-status").textContent = text;
+}
+
+function save(mode) {
+  store.saveHistory(mode, state.history[mode]);
+}
+
+// ---- models and the API key ----------------------------------------------------------------------------
+
+async function loadModels() {
+  try {
+    state.models = await client.listModels();
+  } catch (e) {
+    if (e instanceof AuthError) {
+      setStatus("needs an API key");
+      askForKey(state.apiKey ? "The server refused this key." : "This server needs an API key (--api-key).");
+    } else if (e.status === 503) {
+      setStatus(`${e.message}…`);
+      setTimeout(loadModels, 2000);
+    } else {
+      setStatus(`cannot list the models (${e.message}); retrying…`);
+      setTimeout(loadModels, 5000);
+    }
+    return;
+  }
+  const select = $("model");
+  const wanted = select.value || store.model();
+  select.replaceChildren(...state.models.map((m) => new Option(m.id, m.id)));
+  if (state.models.some((m) => m.id === wanted)) select.value = wanted;
+  const model = state.models.find((m) => m.id === select.value);
+  setStatus(model && model.max_model_len ? `context ${model.max_model_len} tokens` : "ready");
+}
+
+function askForKey(reason) {
+  const dialog = $("key-dialog");
+  $("key-reason").textContent = reason;
+  $("key-button").hidden = false;
+  if (!dialog.open) dialog.showModal();
+  $("api-key").focus();
+}
+
+// ---- wiring ------------------------------------------------------------------------------------------
+
+function setMode(mode) {
+  state.mode = mode;
+  store.saveMode(mode);
+  drawTranscript();
+  refreshControls();
+}
+
+function wire() {
+  $("composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    send();
+  });
+  $("prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      send();
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && state.running && !$("key-dialog").open) state.running.controller.abort();
+  });
+  $("stop").addEventListener("click", () => state.running && state.running.controller.abort());
+  $("regenerate").addEventListener("click", regenerate);
+  $("clear").addEventListener("click", () => {
+    state.history[state.mode] = [];
+    save(state.mode);
+    drawTranscript();
+    refreshControls();
+  });
+  for (const radio of document.querySelectorAll("input[name=mode]")) {
+    radio.checked = radio.value === state.mode;
+    radio.addEventListener("change", () => radio.checked && setMode(radio.value));
+  }
+  $("model").addEventListener("change", () => store.saveModel($("model").value));
+  $("settings-form").addEventListener("submit", (e) => e.preventDefault());
+  $("settings-form").addEventListener("input", (e) => {
+    saveSettings();
+    if (e.target.id === "json_schema" || e.target.id === "extra") {
+      try {
+        jsonField(e.target.id, true);
+      } catch {
+        // shown beside the box
+      }
+    }
+  });
+  $("reset-settings").addEventListener("click", () => {
+    store.saveSettings({});
+    restoreSettings();
+  });
+  $("settings-toggle").addEventListener("click", () => {
+    const open = $("settings").classList.toggle("open");
+    $("settings-toggle").setAttribute("aria-expanded", String(open));
+  });
+  $("key-button").addEventListener("click", () => askForKey("The key this tab sends as a Bearer token."));
+  $("key-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    state.apiKey = $("api-key").value.trim();
+    store.saveApiKey(state.apiKey);
+    $("key-dialog").close();
+    loadModels();
+  });
+  $("key-cancel").addEventListener("click", () => $("key-dialog").close());
+}
+
+function start() {
+  for (const mode of ["chat", "completion"]) {  // an answer a reload cut off
+    for (const entry of state.history[mode]) if (entry.state === "streaming") entry.state = "stopped";
+  }
+  restoreSettings();
+  wire();
+  drawTranscript();
+  refreshControls();
+  setStatus("connecting…");
+  loadModels();
+  $("prompt").focus();
+}
+
+start();
