@@ -81,11 +81,24 @@ def _quiet(check, text) -> bool:
         return False
 
 
-def test_an_output_cut_by_its_budget_still_parses_and_says_length(stories16):
+def test_an_output_steered_to_its_end_near_the_budget_parses_and_says_stop(stories16):
+    """The closing walk ends the grammar within max_tokens: the output is whole, so "stop" (as vLLM reports a
+    grammar that ended), never "length", which clients read as a cut answer."""
+    outs = stories16.generate(["Once upon a time"] * 4, [SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
+        for seed in range(4)])
+    for out in (o.outputs[0] for o in outs):
+        assert _valid_person(out.text)
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 80
+
+
+def test_an_output_cut_by_max_tokens_says_length(stories16):
+    """Too few tokens for any way to the end of the grammar: max_tokens ends the output, "length"."""
     out = stories16.generate(["Once upon a time"], SamplingParams(
-        temperature=1.0, seed=3, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)))[0].outputs[0]
-    assert _valid_person(out.text)
-    assert out.finish_reason == "length" and len(out.token_ids) <= 80
+        temperature=1.0, seed=3, max_tokens=6, structured_outputs=StructuredOutputsParams(json=PERSON)))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.raises(ValueError):
+        json.loads(out.text)
 
 
 # Items of `friends` have two required fields: a draw that opens one lengthens the way out by a dozen tokens.
@@ -192,3 +205,4 @@ def test_a_grammar_past_the_work_limits_is_refused(stories16):
     spec = StructuredOutputsParams(regex="(" * 200 + "a|b" + ")*" * 200 + "[a-z]{1,1000}" * 50)
     with pytest.raises(InvalidParameter, match="invalid regex"):
         stories16.engine.validate([1, 2], SamplingParams(structured_outputs=spec))
+
