@@ -206,3 +206,53 @@ def test_a_grammar_past_the_work_limits_is_refused(stories16):
     with pytest.raises(InvalidParameter, match="invalid regex"):
         stories16.engine.validate([1, 2], SamplingParams(structured_outputs=spec))
 
+
+# ---- strict JSON Schemas (jaxserve/json_schema.py) ---------------------------------------------------------
+
+PET = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+
+
+def _accepts(llm, text: str, **spec) -> bool:
+    """Whether the grammar compiled from the spec takes `text` whole (in llguidance's own tokenization)."""
+    grammars = llm.engine.grammars
+    matcher = grammars.matcher(StructuredOutputsParams(**spec))
+    return all(matcher.consume(t) for t in grammars._ll().tokenize_str(text)) and matcher.done
+
+
+@pytest.mark.parametrize("schema, text, accepted", [
+    # an object without additionalProperties takes only what it lists; saying so loosens it
+    (PET, '{"name":"Tom","age":3}', True),
+    (PET, '{"name":"Tom","colour":"red"}', False),
+    ({**PET, "additionalProperties": True}, '{"name":"Tom","colour":"red"}', True),
+    ({**PET, "additionalProperties": {"type": "integer"}}, '{"name":"Tom","legs":4}', True),
+    ({**PET, "additionalProperties": {"type": "integer"}}, '{"name":"Tom","legs":"four"}', False),
+    ({"type": "object"}, '{}', True),
+    ({"type": "object"}, '{"a":1}', False),
+    ({"type": "object", "additionalProperties": True}, '{"a":1}', True),
+    # at every level: nested objects, $defs / $ref, anyOf branches, array items
+    ({"type": "object", "properties": {"pet": PET}}, '{"pet":{"name":"Tom","x":1}}', False),
+    ({"$defs": {"P": PET}, "type": "object", "properties": {"pet": {"$ref": "#/$defs/P"}}}, '{"pet":{"name":"T"}}', True),
+    ({"$defs": {"P": PET}, "type": "object", "properties": {"pet": {"$ref": "#/$defs/P"}}},
+     '{"pet":{"name":"T","x":1}}', False),
+    ({"anyOf": [PET, {"type": "boolean"}]}, '{"name":"Tom","x":1}', False),
+    ({"anyOf": [PET, {"type": "boolean"}]}, "true", True),
+    ({"type": "array", "items": PET}, '[{"name":"Tom"},{"name":"Bo","x":1}]', False),
+    # an array with prefixItems and no items takes only the listed items; items (a schema, or true) more
+    (PAIR, '[1,"a"]', True),
+    (PAIR, '[1,"a",2]', False),
+    ({**PAIR, "items": {"type": "integer"}}, '[1,"a",2,3]', True),
+    ({**PAIR, "items": True}, '[1,"a",{"x":[true]}]', True),
+    ({"type": "array", "items": {"type": "integer"}}, "[1,2,3]", True),
+    # a value under enum is data, not a schema to close
+    ({"type": "object", "properties": {"e": {"enum": [{"k": 1, "z": 2}]}}}, '{"e":{"k":1,"z":2}}', True),
+])
+def test_json_schemas_are_strict_by_default(stories16, schema, text, accepted):
+    assert _accepts(stories16, text, json=schema) is accepted
+
+
+def test_vllms_options_keep_working_and_json_object_is_any_object(stories16):
+    assert not _accepts(stories16, '{"name":"Tom","x":1}', json=PET, disable_additional_properties=True)
+    assert _accepts(stories16, '{"name":"Tom","x":1}', json={**PET, "additionalProperties": True},
+                    disable_additional_properties=True)
+    assert _accepts(stories16, '{"anything":[1,{"goes":null}]}', json_object=True)
