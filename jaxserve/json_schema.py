@@ -7,7 +7,9 @@
    object a client asked for and then invent keys until its token budget runs out; clients that send a
    pydantic model's schema expect exactly that model back. An explicit `additionalProperties` or `items`
    (`true`, or a schema) keeps its meaning, and a schema that only refers to or combines others (`$ref`,
-   `allOf`, `anyOf`, `oneOf`) without listing anything itself is left to them.
+   `allOf`, `anyOf`, `oneOf`) without listing anything itself is left to them. Each part of an `allOf` is
+   closed on its own, as in xgrammar: parts that add properties to one another need
+   `additionalProperties: true`.
 2. `\\d` in `pattern` and in `patternProperties` keys means an ASCII digit (`ascii_digits`).
 The walk follows JSON Schema's subschema keywords only, so values under `enum`, `const`, `default` or
 `examples` that look like schemas are data and stay as they are.
