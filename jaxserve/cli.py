@@ -66,7 +66,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from server.options import DEFAULT_MAX_BODY_BYTES, ServerOptions
+    from server.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, ServerOptions
 
     g = parser.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1")
@@ -85,9 +85,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    help="browser origins allowed by CORS, e.g. https://app.example.com ('*' for any); "
                         "default: none")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="a request's X-Request-Id header becomes the response's id (cmpl-ID, chatcmpl-ID) and "
+                        "its engine request id; an id that is not 1-128 printable characters is a 400")
     g = parser.add_argument_group("request limits")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413 before they are read")
+    g.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="request line and headers together; a larger head gets 431 and the connection is "
+                        "closed before more of it is read (default 32 KiB)")
     g.add_argument("--max-queued-requests", type=int, default=ServerOptions.max_queued_requests,
                    help="requests that may wait beyond the running ones (--max-num-seqs); more get 429 "
                         "with Retry-After. A list of prompts counts as that many requests")
@@ -151,6 +157,7 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key=ns.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         allowed_origins=tuple(o.strip() for o in (ns.allowed_origins or "").split(",") if o.strip()),
         max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
+        max_header_bytes=ns.max_header_bytes, enable_request_id_headers=ns.enable_request_id_headers,
         shutdown_timeout=ns.shutdown_timeout, background_warmup=ns.warmup == "background",
         chat_template=read_chat_template(ns.chat_template),
         trust_request_chat_template=ns.trust_request_chat_template,

@@ -431,9 +431,8 @@ class Engine:
         params = request.params
         self.stats.generation_tokens += 1
         finish_reason = None
-        if tracked.closing is not None and token in self.tokenizer.eos_token_ids:
-            finish_reason = "length"  # the end a closing walk forced: the budget ended the output
-        elif not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        # EOS from a closing walk (which takes it only once the grammar accepts) ends even with ignore_eos.
+        if token in self.tokenizer.eos_token_ids and (not params.ignore_eos or tracked.closing is not None):
             finish_reason, tracked.stop_reason = "stop", token
         elif token in params.stop_token_ids:
             finish_reason, tracked.stop_reason = "stop", token
@@ -453,16 +452,15 @@ class Engine:
         return self._output(tracked, new_text, [token], None if entry is None else [entry])
 
     def _follow_grammar(self, tracked: _Tracked, token: int) -> str | None:
-        """Advance the choice's grammar by its token: "stop" once the grammar is complete, "abort" if the
+        """Advance the choice's grammar by its token: "stop" once the grammar is complete (also when a closing
+        walk steered it there: the output is whole, as vLLM reports a grammar that ended), "abort" if the
         token broke it (only when the grammar ran out of work limits and its draw went unconstrained)."""
         matcher = tracked.matcher
         if not matcher.consume(token):
             logger.warning("request %s: structured output ended: %s", tracked.request.request_id,
                            matcher.error or "the grammar refused a token")
             return "abort"
-        if not matcher.done:
-            return None
-        return "length" if tracked.closing is not None else "stop"  # closed early: the budget ended it
+        return "stop" if matcher.done else None
 
     def _apply_stop_strings(self, tracked: _Tracked, piece: str, final: bool) -> str:
         """Append `piece`, cutting at the first stop string; hold back a possible stop-string prefix."""

@@ -3,9 +3,11 @@
 1. `StructuredOutputsParams` is a request's constraint in vLLM's shape: exactly one of `json` (a JSON
    Schema), `json_object`, `regex`, `choice` or `grammar` (Lark, or llama.cpp's GBNF). Every request
    spelling the server accepts (`response_format`, `structured_outputs`, `guided_*`) maps onto it.
-2. `GrammarCompiler` turns it into an llguidance grammar, checks it against the model's tokenizer within
-   fixed work limits (an invalid or too costly grammar is an `InvalidParameter` naming the field) and
-   caches the result by spec. Each constrained sequence gets its own `Matcher`, a copy of the cached one.
+2. `GrammarCompiler` turns it into an llguidance grammar (a JSON Schema is read strictly, as vLLM's
+   default backend reads it: objects and arrays take only what they list; see jaxserve/json_schema.py),
+   checks it against the model's tokenizer within fixed work limits (an invalid or too costly grammar is
+   an `InvalidParameter` naming the field) and caches the result by spec. Each constrained sequence gets
+   its own `Matcher`, a copy of the cached one.
 3. Per step, `fill_masks` writes each constrained row's allowed-token bitmask (bit t of word t // 32 set:
    token t allowed) into the step's `[rows, ceil(vocab / 32)]` int32 array — in parallel over the rows —
    and the jitted step applies it to the logits before anything else. Unconstrained rows stay all ones.
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.errors import InvalidParameter
+from jaxserve.json_schema import ascii_digits, prepare_schema
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None  # any JSON object
     disable_any_whitespace: bool = False  # JSON without optional whitespace (compact output)
     whitespace_pattern: str | None = None  # JSON: the whitespace allowed between tokens (default JSON_WHITESPACE)
-    disable_additional_properties: bool = False  # JSON Schema: objects take only the properties they list
+    # vLLM's option for its llguidance backend (objects take only the properties they list): accepted, and
+    # already how every JSON Schema is read here (jaxserve/json_schema.py).
+    disable_additional_properties: bool = False
     # Where the spec came from in the request, for error messages (e.g. "response_format.json_schema").
     field: str = dataclasses.field(default="structured_outputs", compare=False)
 
@@ -87,16 +92,16 @@ class StructuredOutputsParams:
         if self.kind == "json" and not isinstance(value, str):
             try:
                 return json.dumps(value, ensure_ascii=False)  # key order is property order: keep it
-            except (TypeError, ValueError):
-                raise InvalidParameter(self.field, f"{self.field}: the JSON Schema is not serialisable") from None
+            except (TypeError, ValueError, RecursionError):
+                raise InvalidParameter(self.field, f"{self.field}: the JSON Schema is not serialisable "
+                                       f"(or nested too deeply)") from None
         if self.kind == "choice":
             return json.dumps(list(value), ensure_ascii=False)
         return "" if value is True else str(value)
 
     @property
     def key(self) -> tuple:
-        return (self.kind, self.text, self.disable_any_whitespace, self.whitespace_pattern,
-                self.disable_additional_properties)
+        return self.kind, self.text, self.disable_any_whitespace, self.whitespace_pattern
 
 
 class Matcher:
@@ -278,8 +283,8 @@ def _grammar(spec: StructuredOutputsParams) -> str:
     kind, field = spec.kind, spec.field
     try:
         if kind in ("json", "json_object"):
-            schema = json.loads(spec.text) if kind == "json" else {"type": "object"}
-            schema = _ascii_patterns(schema, closed=spec.disable_additional_properties)
+            # A JSON Schema is strict (only what it lists); json_object is any object.
+            schema = prepare_schema(json.loads(spec.text)) if kind == "json" else {"type": "object"}
             if spec.disable_any_whitespace:
                 options = {"whitespace_flexible": False}
             else:
@@ -292,54 +297,8 @@ def _grammar(spec: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", spec.grammar)
     except ValueError as e:  # not JSON, or a GBNF grammar that does not convert
         raise InvalidParameter(field, f"{field}: invalid {kind}: {_first_line(str(e))}") from None
-
-
-def ascii_digits(regex: str) -> str:
-    """`\\d` as [0-9] and `\\D` as [^0-9]: the meaning JSON Schema's regex dialect (ECMA-262) and most
-    users give them. llguidance's regexes are Unicode-aware, where `\\d` also matches digits of other
-    scripts — valid output that a client checking for ASCII digits would reject."""
-    out, i, in_class = [], 0, False
-    while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
-            nxt = regex[i + 1]
-            if nxt == "d":
-                out.append("0-9" if in_class else "[0-9]")
-            elif nxt == "D" and not in_class:
-                out.append("[^0-9]")
-            else:
-                out.append(c + nxt)
-            i += 2
-            continue
-        if c == "[" and not in_class:
-            in_class = True
-        elif c == "]" and in_class:
-            in_class = False
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _ascii_patterns(schema, closed: bool = False):
-    """A JSON Schema with ascii_digits applied to every `pattern` and `patternProperties` key; with `closed`,
-    every object schema that does not say otherwise gets `additionalProperties: false`."""
-    if isinstance(schema, list):
-        return [_ascii_patterns(item, closed) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "pattern" and isinstance(value, str):
-            out[key] = ascii_digits(value)
-        elif key in ("patternProperties", "properties", "$defs", "definitions") and isinstance(value, dict):
-            # Keys here are names (or patterns), not keywords: only the values are schemas.
-            name = ascii_digits if key == "patternProperties" else str
-            out[key] = {name(k): _ascii_patterns(v, closed) for k, v in value.items()}
-        else:
-            out[key] = _ascii_patterns(value, closed)
-    if closed and (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    except RecursionError:
+        raise InvalidParameter(field, f"{field}: the {kind} is nested too deeply") from None
 
 
 def _first_line(message: str) -> str:

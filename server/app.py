@@ -49,6 +49,7 @@ from server.options import ServerOptions
 from server.protocol import (ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, UnsupportedField,
                              error_body)
 from server.chat import chat_route
+from server.responses import model_card
 from server.completions import completions_route
 from server.errors import APIError, error_response, internal_error, request_id_of
 from sharding import multihost
@@ -200,11 +201,24 @@ class OpenAIServer:
             text = text[:cut + len(final)]
         return text
 
-    async def results(self, request: Request, prompt_ids, params, texts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def chosen_id(self, request: Request) -> str | None:
+        """The request's X-Request-Id when --enable-request-id-headers makes it the request's id."""
+        return request.scope.get("state", {}).get("client_request_id") if self.options.enable_request_id_headers \
+            else None
+
+    def response_id(self, request: Request, body, prefix: str) -> str:
+        """The response's `id`: vLLM's prefix (cmpl, chatcmpl) and the id the client chose (`chosen_id`),
+        else the body's `request_id`, else a fresh one."""
+        return f"{prefix}-{self.chosen_id(request) or body.request_id or uuid.uuid4().hex}"
+
+    async def results(self, request: Request, prompt_ids, params, texts,
+                      response_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
         choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
-        released here when this generator ends."""
-        base = uuid.uuid4().hex
+        released here when this generator ends. The engine ids are fresh, or — when the client chose the
+        response's id (--enable-request-id-headers) — start with it, so the logs carry it, followed by a
+        random part as vLLM adds one: the engine keys its state by id, and two requests may carry the same."""
+        base = f"{response_id}-{uuid.uuid4().hex[:8]}" if self.chosen_id(request) else uuid.uuid4().hex
         request_ids = [f"{base}-{i}" for i in range(len(prompt_ids))]
         merged: asyncio.Queue = asyncio.Queue()
         timers = [TokenTimer() for _ in prompt_ids]
@@ -278,11 +292,9 @@ class OpenAIServer:
         except APIError as e:
             return error_response(e)
         engine = self.engine
-        return JSONResponse({"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": self.created, "owned_by": "jaxserve",
-            "max_model_len": engine.scheduler_config.max_model_len,
-            "root": engine.args.model or "built-in demo model (random weights, byte-level tokenizer)",
-        }]})
+        root = engine.args.model or "built-in demo model (random weights, byte-level tokenizer)"
+        return JSONResponse({"object": "list", "data": [
+            model_card(engine.model_name, self.created, root, engine.scheduler_config.max_model_len)]})
 
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -374,7 +386,8 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         logger.exception("unhandled error on %s (request id %s)", request.url.path, request_id)
         return error_response(internal_error(request_id))
 
-    middleware = [Middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes)]
+    middleware = [Middleware(RequestGuard, api_key=options.api_key, max_body_bytes=options.max_request_body_bytes,
+                             request_id_headers=options.enable_request_id_headers)]
     if options.allowed_origins:  # outermost, so preflights are answered before authentication
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                                         allow_methods=["GET", "POST", "OPTIONS"],

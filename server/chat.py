@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -64,9 +63,9 @@ async def chat_route(api, request: Request) -> Response:
             return None
         return chat_logprobs(ids, entries, logprobs, token_str, body.return_tokens_as_token_ids)
 
-    envelope = {"id": f"chatcmpl-{body.request_id or uuid.uuid4().hex}", "created": int(time.time()),
+    envelope = {"id": api.response_id(request, body, "chatcmpl"), "created": int(time.time()),
                 "model": api.engine.model_name}
-    results = api.results(request, prompt_ids, params, [text])
+    results = api.results(request, prompt_ids, params, [text], envelope["id"])
     usage = Usage(prompt_ids)
     replies = replier(body, api.options.tool_call_parser)  # None: the reply is plain text
     if body.stream:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -53,9 +52,9 @@ async def completions_route(api, request: Request) -> Response:
         return api.fail_before_engine(admitted, e)
     view = _View(api, body, prompt_ids, echoes, score_only)
     texts = [p if isinstance(p, str) else None for p in prompts]
-    envelope = {"id": f"cmpl-{body.request_id or uuid.uuid4().hex}", "object": "text_completion",
+    envelope = {"id": api.response_id(request, body, "cmpl"), "object": "text_completion",
                 "created": int(time.time()), "model": api.engine.model_name}
-    results = api.results(request, prompt_ids, params, texts)
+    results = api.results(request, prompt_ids, params, texts, envelope["id"])
     usage = Usage(prompt_ids)
     if body.stream:
         return event_stream(_events(view, results, usage, envelope), request_id_of(request))

@@ -1,7 +1,9 @@
 """What every HTTP request passes before a route sees it: an ASGI middleware, outermost in the app.
 
 1. Request id: an `X-Request-Id` header is kept (a new one is made when absent or unusable) and echoed
-   on the response, so a client can quote it and the logs can find it.
+   on the response, so a client can quote it and the logs can find it. With --enable-request-id-headers
+   the routes also use it as the response's and the engine's id, so an unusable one (not 1-128
+   printable ASCII characters) is refused with a 400 instead of replaced.
 2. Authentication (`--api-key`): every path but `/health` and the playground's page and files needs
    `Authorization: Bearer <key>`. The key is compared in constant time, and the decision uses the path
    the router matches (the ASGI scope's, less a `--root-path` mount point), never a header a client sets
@@ -28,22 +30,25 @@ PUBLIC_PATHS = frozenset({"/health", *playground.PAGE_PATHS})
 # The playground's files, by name (no folders, no dots but the extension's): the page needs them before it
 # can ask for a key.
 _PUBLIC_FILE = re.compile("^" + re.escape(playground.ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in a header, a log, JSON
 
 
 class RequestGuard:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, request_id_headers: bool = False):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.request_id_headers = request_id_headers
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         given = headers.get("x-request-id", "")
-        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        usable = _REQUEST_ID.match(given) is not None
+        request_id = given if usable else uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["client_request_id"] = request_id, given if usable else None
         echo = (b"x-request-id", request_id.encode())
 
         async def send_with_id(message):
@@ -83,6 +88,9 @@ class RequestGuard:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 return 401, "Invalid or missing API key: send `Authorization: Bearer <key>`", \
                     "authentication_error", None, "invalid_api_key"
+        if self.request_id_headers and "x-request-id" in headers and not _REQUEST_ID.match(headers["x-request-id"]):
+            return 400, "X-Request-Id must be 1 to 128 printable ASCII characters without spaces", \
+                "invalid_request_error", None, "invalid_request_id"
         length = headers.get("content-length")
         has_body = (length not in (None, "0")) or "transfer-encoding" in headers
         if has_body:

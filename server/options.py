@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far more than any prompt a model's context can hold as JSON
+# A request's line and headers together: nginx's default total (4 buffers of 8 KiB); h11 allows 16 KiB.
+DEFAULT_MAX_HEADER_BYTES = 32 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,6 +15,10 @@ class ServerOptions:
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every path but /health
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API; none by default
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a larger request head gets 431 (server/http_protocol.py)
+    # vLLM's --enable-request-id-headers: a request's X-Request-Id becomes its response `id` and its engine
+    # request id (an unusable one is a 400); without it the header is only echoed back.
+    enable_request_id_headers: bool = False
     # Requests waiting for a slot beyond the running ones; more get 429 (None: no limit).
     max_queued_requests: int | None = 256
     shutdown_timeout: float = 30.0  # seconds running requests may finish after SIGTERM before being aborted
@@ -32,6 +38,8 @@ class ServerOptions:
     def __post_init__(self):
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be at least 1024, got {self.max_header_bytes}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.shutdown_timeout < 0:

@@ -67,9 +67,10 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # llama.cpp's json_object with a JSON Schema
 
     @model_validator(mode="after")
     def _schema_when_needed(self):
@@ -214,7 +215,9 @@ class _Request(BaseModel):
         when it is bad or when more than one field carries one."""
         specs = []
         if self.response_format is not None and self.response_format.type == "json_object":
-            specs.append(StructuredOutputsParams(json_object=True, field="response_format"))
+            schema = self.response_format.schema_
+            specs.append(StructuredOutputsParams(json_object=True, field="response_format") if schema is None
+                         else StructuredOutputsParams(json=schema, field="response_format.schema"))
         elif self.response_format is not None and self.response_format.type == "json_schema":
             specs.append(StructuredOutputsParams(json=self.response_format.json_schema.json_schema,
                                                  field="response_format.json_schema"))

@@ -5,6 +5,7 @@
 2. `chat_logprobs` is the chat object (`content`: per token its text, logprob, UTF-8 bytes and the top
    alternatives).
 3. `prompt_logprobs_json` is vLLM's extension: per prompt token `{id: {logprob, rank, decoded_token}}`.
+   `model_card` is a `/v1/models` entry as vLLM writes it.
 4. `Usage` counts tokens over a response's choices; `sse` and `event_stream` write the stream.
 With `return_tokens_as_token_ids` a token is written `token_id:N`, so tokens that are not valid text on
 their own (a UTF-8 fragment) can still be told apart.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import uuid
 from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
@@ -71,6 +74,17 @@ def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list 
         return None
     return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
                                     for t, v in e.items()} for e in entries]
+
+
+def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
+    """One `/v1/models` entry in vLLM's shape: OpenAI's fields, then `root` (where the weights came from),
+    `parent` (null: a base model, not an adapter), `max_model_len` and one `permission` object."""
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": root,
+            "parent": None, "max_model_len": max_model_len, "permission": [permission]}
 
 
 def tool_call_json(call) -> dict:

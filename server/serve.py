@@ -19,6 +19,7 @@ import signal
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
+from server.http_protocol import uvicorn_config
 from server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,10 @@ def _uvicorn_server_class():
 def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilation_cache_dir: str | None = None,
           options: ServerOptions = ServerOptions()) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1)."""
-    import uvicorn
-
     enable_compilation_cache(compilation_cache_dir)
     async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
+    config = uvicorn_config(app, options, host=host, port=port, log_level="info",
                             timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)
     server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
     async_engine.on_failure = server.engine_failed

@@ -13,6 +13,7 @@ import uvicorn
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
+from server.http_protocol import uvicorn_config
 from server.options import ServerOptions
 
 
@@ -47,7 +48,7 @@ def running_server(args: EngineArgs, ready_timeout: float = 300, options: Server
     async_engine.start()
     port = free_port()
     app = build_app(async_engine, options)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn_config(app, options, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -334,6 +334,7 @@ def test_defect6_a_prompt_list_counts_as_that_many_requests(server):
 def test_request_ids_are_honoured_and_echoed(server):
     r = httpx.post(f"{server[0]}/v1/completions", json=PROMPT, headers={"X-Request-Id": "abc-123"}, timeout=60)
     assert r.headers["x-request-id"] == "abc-123"
+    assert "abc-123" not in r.json()["id"]  # the body's id only with --enable-request-id-headers (test_real_clients)
     r = httpx.post(f"{server[0]}/v1/completions", json={"prompt": ""})
     assert len(r.headers["x-request-id"]) == 32  # a fresh id when none was given
     r = httpx.get(f"{server[0]}/health", headers={"X-Request-Id": "bad id\twith tabs"})

@@ -81,11 +81,24 @@ def _quiet(check, text) -> bool:
         return False
 
 
-def test_an_output_cut_by_its_budget_still_parses_and_says_length(stories16):
+def test_an_output_steered_to_its_end_near_the_budget_parses_and_says_stop(stories16):
+    """The closing walk ends the grammar within max_tokens: the output is whole, so "stop" (as vLLM reports a
+    grammar that ended), never "length", which clients read as a cut answer."""
+    outs = stories16.generate(["Once upon a time"] * 4, [SamplingParams(
+        temperature=1.0, seed=seed, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON))
+        for seed in range(4)])
+    for out in (o.outputs[0] for o in outs):
+        assert _valid_person(out.text)
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 80
+
+
+def test_an_output_cut_by_max_tokens_says_length(stories16):
+    """Too few tokens for any way to the end of the grammar: max_tokens ends the output, "length"."""
     out = stories16.generate(["Once upon a time"], SamplingParams(
-        temperature=1.0, seed=3, max_tokens=80, structured_outputs=StructuredOutputsParams(json=PERSON)))[0].outputs[0]
-    assert _valid_person(out.text)
-    assert out.finish_reason == "length" and len(out.token_ids) <= 80
+        temperature=1.0, seed=3, max_tokens=6, structured_outputs=StructuredOutputsParams(json=PERSON)))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.raises(ValueError):
+        json.loads(out.text)
 
 
 # Items of `friends` have two required fields: a draw that opens one lengthens the way out by a dozen tokens.
@@ -192,3 +205,54 @@ def test_a_grammar_past_the_work_limits_is_refused(stories16):
     spec = StructuredOutputsParams(regex="(" * 200 + "a|b" + ")*" * 200 + "[a-z]{1,1000}" * 50)
     with pytest.raises(InvalidParameter, match="invalid regex"):
         stories16.engine.validate([1, 2], SamplingParams(structured_outputs=spec))
+
+
+# ---- strict JSON Schemas (jaxserve/json_schema.py) ---------------------------------------------------------
+
+PET = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+
+
+def _accepts(llm, text: str, **spec) -> bool:
+    """Whether the grammar compiled from the spec takes `text` whole (in llguidance's own tokenization)."""
+    grammars = llm.engine.grammars
+    matcher = grammars.matcher(StructuredOutputsParams(**spec))
+    return all(matcher.consume(t) for t in grammars._ll().tokenize_str(text)) and matcher.done
+
+
+@pytest.mark.parametrize("schema, text, accepted", [
+    # an object without additionalProperties takes only what it lists; saying so loosens it
+    (PET, '{"name":"Tom","age":3}', True),
+    (PET, '{"name":"Tom","colour":"red"}', False),
+    ({**PET, "additionalProperties": True}, '{"name":"Tom","colour":"red"}', True),
+    ({**PET, "additionalProperties": {"type": "integer"}}, '{"name":"Tom","legs":4}', True),
+    ({**PET, "additionalProperties": {"type": "integer"}}, '{"name":"Tom","legs":"four"}', False),
+    ({"type": "object"}, '{}', True),
+    ({"type": "object"}, '{"a":1}', False),
+    ({"type": "object", "additionalProperties": True}, '{"a":1}', True),
+    # at every level: nested objects, $defs / $ref, anyOf branches, array items
+    ({"type": "object", "properties": {"pet": PET}}, '{"pet":{"name":"Tom","x":1}}', False),
+    ({"$defs": {"P": PET}, "type": "object", "properties": {"pet": {"$ref": "#/$defs/P"}}}, '{"pet":{"name":"T"}}', True),
+    ({"$defs": {"P": PET}, "type": "object", "properties": {"pet": {"$ref": "#/$defs/P"}}},
+     '{"pet":{"name":"T","x":1}}', False),
+    ({"anyOf": [PET, {"type": "boolean"}]}, '{"name":"Tom","x":1}', False),
+    ({"anyOf": [PET, {"type": "boolean"}]}, "true", True),
+    ({"type": "array", "items": PET}, '[{"name":"Tom"},{"name":"Bo","x":1}]', False),
+    # an array with prefixItems and no items takes only the listed items; items (a schema, or true) more
+    (PAIR, '[1,"a"]', True),
+    (PAIR, '[1,"a",2]', False),
+    ({**PAIR, "items": {"type": "integer"}}, '[1,"a",2,3]', True),
+    ({**PAIR, "items": True}, '[1,"a",{"x":[true]}]', True),
+    ({"type": "array", "items": {"type": "integer"}}, "[1,2,3]", True),
+    # a value under enum is data, not a schema to close
+    ({"type": "object", "properties": {"e": {"enum": [{"k": 1, "z": 2}]}}}, '{"e":{"k":1,"z":2}}', True),
+])
+def test_json_schemas_are_strict_by_default(stories16, schema, text, accepted):
+    assert _accepts(stories16, text, json=schema) is accepted
+
+
+def test_vllms_options_keep_working_and_json_object_is_any_object(stories16):
+    assert not _accepts(stories16, '{"name":"Tom","x":1}', json=PET, disable_additional_properties=True)
+    assert _accepts(stories16, '{"name":"Tom","x":1}', json={**PET, "additionalProperties": True},
+                    disable_additional_properties=True)
+    assert _accepts(stories16, '{"anything":[1,{"goes":null}]}', json_object=True)
