@@ -215,7 +215,7 @@ class OpenAIServer:
             timers[i].on_tokens(len(out.new_token_ids))
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
-                self.metrics.observe_request(timers[i], out.finish_reason)
+                self.metrics.observe_request(timers[i], out)
 
         async def watch_disconnect():
             while (await request.receive())["type"] != "http.disconnect":
