@@ -3,8 +3,9 @@
 1. Request id: an `X-Request-Id` header is kept (a new one is made when absent or unusable) and echoed
    on the response, so a client can quote it and the logs can find it.
 2. Authentication (`--api-key`): every path but `/health` needs `Authorization: Bearer <key>`. The key is
-   compared in constant time, and the decision uses the ASGI scope's path, never a header a client sets
-   (Host, X-Forwarded-*), so no crafted request reaches a route unauthenticated.
+   compared in constant time, and the decision uses the ASGI scope's path (the route's, below any
+   --root-path), never a header a client sets (Host, X-Forwarded-*), so no crafted request reaches a route
+   unauthenticated.
 3. Content type: a request with a body must declare `application/json`, or it is refused with 415. A
    browser may post `text/plain` to a loopback server without a CORS preflight; it cannot post JSON.
 4. Body size (`--max-request-body-bytes`): a `Content-Length` over the limit is refused with 413 before
@@ -73,7 +74,7 @@ class RequestGuard:
         await self.app(scope, replay, send_with_id)
 
     def _refusal(self, scope, headers: dict) -> tuple | None:
-        if self.api_key is not None and scope["path"] not in PUBLIC_PATHS:
+        if self.api_key is not None and _route_path(scope) not in PUBLIC_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
                 return 401, "Invalid or missing API key: send `Authorization: Bearer <key>`", \
@@ -92,6 +93,12 @@ class RequestGuard:
     def _too_large(self) -> tuple:
         return (f"Request body exceeds the limit of {self.max_body_bytes} bytes (--max-request-body-bytes)",
                 "invalid_request_error", None, "request_too_large")
+
+
+def _route_path(scope) -> str:
+    """The path the router matches: uvicorn puts --root-path in front of the path the proxy forwarded."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
 
 
 async def _refuse(send, status: int, message: str, type_: str, param, code, request_id: str) -> None:

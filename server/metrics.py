@@ -116,36 +116,35 @@ class _Exporter:
                 yield twin
 
 
+# attribute -> (our name, help, buckets) of the histograms the request handlers feed.
+_HISTOGRAMS = {
+    "ttft": ("jaxserve:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS),
+    "itl": ("jaxserve:inter_token_latency_seconds", "Time between tokens of a request", LATENCY_BUCKETS),
+    "e2e": ("jaxserve:e2e_request_latency_seconds", "Request latency, arrival to finish", LATENCY_BUCKETS),
+    "queue": ("jaxserve:request_queue_time_seconds", "Time waiting for a slot and KV pages, arrival to first "
+              "admission", REQUEST_BUCKETS),
+    "prefill": ("jaxserve:request_prefill_time_seconds", "Time from admission to the first token", REQUEST_BUCKETS),
+    "decode": ("jaxserve:request_decode_time_seconds", "Time from the first token to the last", REQUEST_BUCKETS),
+    "inference": ("jaxserve:request_inference_time_seconds", "Time from admission to the last token",
+                  REQUEST_BUCKETS),
+    "prompt_lengths": ("jaxserve:request_prompt_tokens", "Prompt tokens per finished request", TOKEN_COUNT_BUCKETS),
+    "output_lengths": ("jaxserve:request_generation_tokens", "Generated tokens per finished request",
+                       TOKEN_COUNT_BUCKETS),
+}
+
+
 class Metrics:
     def __init__(self, async_engine: AsyncEngine):
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, registry=None, buckets=buckets)
-
-        self.ttft = histogram("jaxserve:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
-        self.itl = histogram("jaxserve:inter_token_latency_seconds", "Time between tokens of a request",
-                             LATENCY_BUCKETS)
-        self.e2e = histogram("jaxserve:e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             LATENCY_BUCKETS)
-        self.queue = histogram("jaxserve:request_queue_time_seconds", "Time waiting for a slot and KV pages, "
-                               "arrival to first admission", REQUEST_BUCKETS)
-        self.prefill = histogram("jaxserve:request_prefill_time_seconds", "Time from admission to the first token",
-                                 REQUEST_BUCKETS)
-        self.decode = histogram("jaxserve:request_decode_time_seconds", "Time from the first token to the last",
-                                REQUEST_BUCKETS)
-        self.inference = histogram("jaxserve:request_inference_time_seconds", "Time from admission to the last "
-                                   "token", REQUEST_BUCKETS)
-        self.prompt_lengths = histogram("jaxserve:request_prompt_tokens", "Prompt tokens per finished request",
-                                        TOKEN_COUNT_BUCKETS)
-        self.output_lengths = histogram("jaxserve:request_generation_tokens", "Generated tokens per finished "
-                                        "request", TOKEN_COUNT_BUCKETS)
+        for attribute, (name, doc, buckets) in _HISTOGRAMS.items():
+            setattr(self, attribute, Histogram(name, doc, registry=None, buckets=buckets))
         self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=None)
         self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=None)
         self.requests = Counter("jaxserve:request_success", "Finished requests by finish reason",
                                 ["finished_reason"], registry=None)
         self.registry = CollectorRegistry()
         self.registry.register(_Exporter(async_engine, [
-            self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode, self.inference,
-            self.prompt_lengths, self.output_lengths, self.prompt_tokens, self.generation_tokens, self.requests]))
+            *(getattr(self, attribute) for attribute in _HISTOGRAMS),
+            self.prompt_tokens, self.generation_tokens, self.requests]))
 
     def observe_request(self, timer: TokenTimer, out) -> None:
         """A request (one choice) has finished with output `out`: its latencies and lengths."""

@@ -83,21 +83,29 @@ def _uvicorn_server_class():
     return Server
 
 
+def uvicorn_config(app, host: str, port: int, options: ServerOptions):
+    """How uvicorn listens: TLS, the root path behind a proxy, its log level and access log."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=options.uvicorn_log_level,
+                          access_log=options.log_requests, root_path=options.root_path,
+                          ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+                          timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)
+
+
 def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilation_cache_dir: str | None = None,
           options: ServerOptions = ServerOptions()) -> int:
     """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1)."""
-    import uvicorn
-
     enable_compilation_cache(compilation_cache_dir)
     async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)
-    config = uvicorn.Config(app, host=host, port=port, log_level="info",
-                            timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)
-    server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
+    server = _uvicorn_server_class()(uvicorn_config(app, host, port, options), app.state.api, options.shutdown_timeout)
     async_engine.on_failure = server.engine_failed
     async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
-    logger.info("serving on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)%s",
-                host, port, "; API key required" if options.api_key else "")
+    scheme = "https" if options.ssl_certfile else "http"
+    logger.info("serving on %s://%s:%d%s (OpenAI-compatible: /v1/completions, /v1/chat/completions, "
+                "/v1/responses)%s", scheme, host, port, options.root_path,
+                "; API key required" if options.api_key else "")
     try:
         server.run()
     finally:
