@@ -45,6 +45,7 @@ class OutputItems:
         self.event = events
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being written
+        self._positions: dict[str, int] = {}  # item id -> output_index
 
     def add(self, piece: Piece, logprobs: list | None = None) -> list[str]:
         out = []
@@ -93,6 +94,7 @@ class OutputItems:
         return out
 
     def _begin(self, item: dict) -> list[str]:
+        self._positions[item["id"]] = len(self.items)
         self.items.append(item)
         self.open = item
         return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))]
@@ -116,12 +118,12 @@ class OutputItems:
         item["status"] = status
         if item["type"] == "reasoning":
             item["encrypted_content"] = None
-        out.append(self.event("response.output_item.done", output_index=self.items.index(item), item=_copy(item)))
+        out.append(self.event("response.output_item.done", output_index=self._positions[item["id"]], item=_copy(item)))
         return out
 
     def _event(self, kind: str, item: dict | None = None, **fields) -> str:
         item = item if item is not None else self.open
-        return self.event(kind, item_id=item["id"], output_index=self.items.index(item), **fields)
+        return self.event(kind, item_id=item["id"], output_index=self._positions[item["id"]], **fields)
 
 
 def _copy(value: dict) -> dict:
