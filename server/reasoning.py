@@ -7,8 +7,9 @@
    the thinking, whether the prompt opened the block (DeepSeek-R1, Qwen3-Thinking) or the model will.
 2. A `Splitter` per choice reads the reply as it streams: `feed(text)` returns the (thinking, answer) text
    that has become certain, holding back what may be the start of a tag; `finish()` returns the rest. A
-   leading `<think>` the model writes itself is dropped; newlines around the thinking and at the start of
-   the answer are trimmed, as the Qwen3 chat template trims them when it renders a past turn.
+   leading `<think>` the model writes itself is dropped (and opens the thinking even where the prompt had
+   closed it, as vLLM reads such a reply); newlines around the thinking and at the start of the answer
+   are trimmed, as the Qwen3 chat template trims them when it renders a past turn.
 3. A reply whose thinking never closes (cut by max_tokens) is all thinking. The whole-text split is the
    same machine run over the whole text, so streamed and whole replies agree.
 4. Structured outputs and tool calls apply to the answer: the server hands `END` to the grammar as its
@@ -45,22 +46,23 @@ class Splitter:
 
     def __init__(self, thinking: bool):
         self.thinking = thinking
-        self._at_start = thinking  # a leading <think> may still come
+        self._at_start = True  # a leading <think> may still come
         self._answer_started = False  # leading newlines of the answer are dropped until text comes
         self._reasoning_started = False
         self._held = ""  # text not yet certain: a possible tag start, or newlines that may end the thinking
 
     def feed(self, text: str) -> tuple[str, str]:
-        if not self.thinking:
-            return "", self._answer(text)
         self._held += text
         if self._at_start:
             head = self._held.lstrip()
             if START.startswith(head):
                 return "", ""  # maybe the model's own <think>: wait
             self._at_start = False
-            if head.startswith(START):
-                self._held = head[len(START):]
+            if head.startswith(START):  # it thinks, even where the prompt said it would not
+                self.thinking, self._held = True, head[len(START):]
+        if not self.thinking:
+            text, self._held = self._held, ""
+            return "", self._answer(text)
         end = self._held.find(END)
         if end >= 0:
             reasoning, rest = self._held[:end], self._held[end + len(END):]
@@ -77,7 +79,7 @@ class Splitter:
         """The text still held, once the reply has ended (an unclosed thinking keeps it all)."""
         held, self._held = self._held, ""
         if not self.thinking:
-            return "", ""
+            return "", self._answer(held)
         if self._at_start and START.startswith(held.lstrip()):
             held = ""
         return self._reasoning(held.rstrip("\n")), ""

@@ -89,6 +89,8 @@ def split_streamed(text: str, thinking: bool, step: int) -> tuple[str, str]:
     ("still thinking </thi", True, ("still thinking </thi", "")),  # cut off: all thinking
     ("a </thin> b</think>c</think>", True, ("a </thin> b", "c</think>")),  # the first end tag ends it
     ("It is 4.", False, (None, "It is 4.")),  # the prompt closed the thinking
+    ("<think>x</think>It is 4.", False, ("x", "It is 4.")),  # ... and the model thought anyway
+    ("<", False, (None, "<")),
     ("</think>{\"a\": 1}", True, (None, "{\"a\": 1}")),  # an empty thinking is no thinking
     ("<thi", True, (None, "")),
 ])
