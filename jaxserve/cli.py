@@ -20,11 +20,18 @@ from jaxserve.engine_args import EngineArgs
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a directory with the tokenizer (tokenizer.json, tokenizer_config.json, chat template) "
+                        "to use instead of the model's")
+    g.add_argument("--revision", default=None,
+                   help="refused: a Hugging Face Hub revision; jaxserve serves local directories, so check out "
+                        "the revision you want and pass its directory")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs, help="sequences running at once")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--page-size", type=int, default=EngineArgs.page_size, help="tokens per KV page")
+    g.add_argument("--page-size", "--block-size", type=int, default=EngineArgs.page_size,
+                   help="tokens per KV page (--block-size is vLLM's name for it)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
                    help="bytes for the KV cache; the page count follows (instead of --num-pages)")
@@ -66,7 +73,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from server.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, ServerOptions
+    from server.options import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, UVICORN_LOG_LEVELS, ServerOptions
 
     g = parser.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1")
@@ -79,6 +86,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "buckets compile while serving; full: ready once every program is compiled")
     g.add_argument("--shutdown-timeout", type=float, default=ServerOptions.shutdown_timeout,
                    help="on SIGTERM, seconds running requests may finish before they are aborted")
+    g.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a reverse proxy strips before forwarding (ASGI root_path), e.g. /llm")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    g.add_argument("--uvicorn-log-level", default=ServerOptions.uvicorn_log_level, choices=UVICORN_LOG_LEVELS)
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request (uvicorn's access log)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed the draws of requests that give no seed: the same requests in the same order "
+                        "sample the same tokens after a restart (default: fresh randomness)")
     g = parser.add_argument_group("security")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (or set $JAXSERVE_API_KEY)")
@@ -108,9 +125,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "reply with --tool-call-parser; 'required' and a named tool work without it")
     g.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the model's tool-call format: hermes, qwen, llama3_json or mistral")
+    g = parser.add_argument_group("reasoning models and the Responses API")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return the <think>...</think> block as reasoning_content (chat) and reasoning items "
+                        "(Responses API); structured outputs and tool calls apply to the answer after it")
+    g.add_argument("--responses-store-size", type=int, default=ServerOptions.responses_store_size, metavar="N",
+                   help="responses kept in memory for previous_response_id (least recently used dropped first; "
+                        "0 keeps none)")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    if getattr(ns, "revision", None) is not None:
+        raise ValueError(f"--revision {ns.revision}: jaxserve loads local directories, not the Hugging Face Hub; "
+                         f"download that revision (e.g. `hf download MODEL --revision {ns.revision} --local-dir "
+                         f"DIR`) and pass --model DIR")
     if getattr(ns, "model_tag", None):  # `jaxserve serve MODEL`, as vllm serve takes it
         if ns.model not in (None, ns.model_tag):
             raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
@@ -150,10 +178,15 @@ def _serve(ns: argparse.Namespace) -> int:
         engine.warmup()
         engine.follow()
         return 0
+    from server.serve import serve
+    return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir,
+                 options=server_options_from(ns, args))
+
+
+def server_options_from(ns: argparse.Namespace, args: EngineArgs):
     from jaxserve.engine_args import sampling_defaults
     from server.options import ServerOptions, read_chat_template
-    from server.serve import serve
-    options = ServerOptions(
+    return ServerOptions(
         api_key=ns.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         allowed_origins=tuple(o.strip() for o in (ns.allowed_origins or "").split(",") if o.strip()),
         max_request_body_bytes=ns.max_request_body_bytes, max_queued_requests=ns.max_queued_requests,
@@ -161,9 +194,11 @@ def _serve(ns: argparse.Namespace) -> int:
         shutdown_timeout=ns.shutdown_timeout, background_warmup=ns.warmup == "background",
         chat_template=read_chat_template(ns.chat_template),
         trust_request_chat_template=ns.trust_request_chat_template,
-        tool_call_parser=_tool_call_parser(ns),
+        tool_call_parser=_tool_call_parser(ns), reasoning_parser=ns.reasoning_parser,
+        responses_store_size=ns.responses_store_size, seed=ns.seed,
+        root_path=ns.root_path, ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
+        uvicorn_log_level=ns.uvicorn_log_level, log_requests=not ns.disable_log_requests,
         sampling_defaults=sampling_defaults(args.model, ns.generation_config))
-    return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir, options=options)
 
 
 def _tool_call_parser(ns: argparse.Namespace) -> str | None:

@@ -517,7 +517,7 @@ class Engine:
                              finished=finished, new_text=new_text, new_token_ids=new_token_ids,
                              new_logprobs=new_logprobs, prompt=tracked.prompt,
                              num_cached_tokens=r.num_cached_tokens or 0, num_output_tokens=r.num_output_tokens,
-                             index=r.choice, prompt_logprobs=prompt_logprobs)
+                             index=r.choice, prompt_logprobs=prompt_logprobs, queue_seconds=r.queue_seconds)
 
 
 @dataclasses.dataclass

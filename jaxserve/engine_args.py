@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 class EngineArgs:
     model: str | None = None  # Hugging Face or `jaxserve convert` (Orbax) directory; None = the demo model
     served_model_name: str | None = None
+    tokenizer: str | None = None  # a directory whose tokenizer (and chat template) replaces the model's
     dtype: str = "auto"
     max_num_seqs: int = 8
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -46,6 +47,10 @@ class EngineArgs:
     def __post_init__(self):
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory (one with a tokenizer.json)")
+        if self.tokenizer is not None and self.model is None:
+            raise ValueError("tokenizer needs a model: the built-in demo model has its own byte-level tokenizer")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

@@ -72,7 +72,10 @@ def build_model(args: EngineArgs) -> BuiltModel:
         tokenizer, name = Tokenizer.byte_level(), DEMO_MODEL_NAME
     else:
         dtype = resolve_dtype(args.dtype, config)
-        tokenizer = Tokenizer.from_pretrained(args.model)
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocabulary of {config.vocab_size}")
         model = load_sharded(args.model, config, dtype, plan)
         name = Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)

@@ -48,6 +48,7 @@ class RequestOutput:
     prompt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     num_output_tokens: int = 0  # tokens this choice generated so far
+    queue_seconds: float | None = None  # from queueing to its first admission (None if never admitted)
     index: int = 0  # the choice (0 .. n - 1)
     # Per prompt token (None for the first), when asked for; on choice 0's first event and final output.
     prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import time
 from collections import deque
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -70,6 +71,9 @@ class Request:
     num_registered: int = 0  # leading pages whose keys the cache has seen since the last admission
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
     arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
+    # Seconds from queueing to the first admission (for metrics); None until then.
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)
+    queue_seconds: float | None = None
     admitted_at: int = 0  # num_computed right after the last admission: where its first chunk starts
     suppress_ids: tuple[int, ...] = ()  # EOS and stop tokens: masked while fewer than min_tokens are out
     bias_table: tuple | None = None  # (ids, values, kinds) of its static bias entries, built by the batch
@@ -280,6 +284,7 @@ class Scheduler:
             request.prefill_target = target
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = 0 if forked else request.num_computed
+                request.queue_seconds = time.monotonic() - request.queued_at
             if self.prefix_cache is not None and not forked:
                 self.prefix_cache_queries += target
                 self.prefix_cache_hits += request.num_computed

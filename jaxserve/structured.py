@@ -12,6 +12,10 @@
    token t allowed) into the step's `[rows, ceil(vocab / 32)]` int32 array — in parallel over the rows —
    and the jitted step applies it to the logits before anything else. Unconstrained rows stay all ones.
    The matcher consumes each token the host accepts; a sequence whose grammar is complete stops.
+4. A reasoning model thinks before it answers: with `reasoning_end` (e.g. "</think>") the grammar is
+   wrapped so that anything but EOS may come first, then that text, then the constraint — the answer
+   follows the schema, the thinking is free. Near the token budget, the closing walk writes the end of
+   the thinking first, so even a cut-off answer parses.
 
 llguidance, not xgrammar: it needs no torch (this project's whole point is a JAX stack without it), it
 computes a mask in tens of microseconds without a per-schema precompilation pass, so a new schema costs
@@ -66,6 +70,9 @@ class StructuredOutputsParams:
     # vLLM's option for its llguidance backend (objects take only the properties they list): accepted, and
     # already how every JSON Schema is read here (jaxserve/json_schema.py).
     disable_additional_properties: bool = False
+    # The text that ends a reasoning model's thinking ("</think>"): the constraint applies after it (see
+    # _ReasoningEnd). None: from the first token.
+    reasoning_end: str | None = None
     # Where the spec came from in the request, for error messages (e.g. "response_format.json_schema").
     field: str = dataclasses.field(default="structured_outputs", compare=False)
 
@@ -101,20 +108,53 @@ class StructuredOutputsParams:
 
     @property
     def key(self) -> tuple:
-        return self.kind, self.text, self.disable_any_whitespace, self.whitespace_pattern
+        return (self.kind, self.text, self.disable_any_whitespace, self.whitespace_pattern,
+                self.reasoning_end)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReasoningEnd:
+    """How the end of the thinking shows in tokens. A tag that is one added token (Qwen3's and DeepSeek-R1's
+    "</think>") is matched by id: llguidance treats every added token as special, never as text. Any other
+    tag is text, matched in the bytes however the model spells it."""
+    text: bytes
+    token: int | None  # the added token that is the tag, if it is one
+    ids: tuple[int, ...]  # a tokenization of the tag: what the closing walk writes
+
+    def after(self, tail: bytes, token: int, data: bytes) -> tuple[bytes | None, bytes]:
+        """Given the last bytes of the thinking so far (`tail`), a token and its bytes: the new tail (None once
+        the thinking ended) and the bytes that follow its end within the token."""
+        if self.token is not None:
+            return (None, b"") if token == self.token else (b"", b"")
+        text = tail + data
+        at = text.find(self.text)
+        if at >= 0:
+            return None, text[at + len(self.text):]
+        return text[len(text) - len(self.text) + 1:] if len(text) >= len(self.text) else text, b""
 
 
 class Matcher:
     """One sequence's position in its grammar (a thin wrapper: the engine speaks only this)."""
 
-    def __init__(self, matcher, token_bytes: list[bytes]):
+    def __init__(self, matcher, token_bytes: list[bytes], reasoning_end: _ReasoningEnd | None = None):
         self._m = matcher
         self._bytes = token_bytes
         self.in_string = self.escaped = False  # where the text is, for the closing walk's preferences
+        self._end = reasoning_end
+        self._tail: bytes | None = b"" if reasoning_end is not None else None  # None: not thinking
+
+    @property
+    def reasoning(self) -> bool:
+        """Still in the free thinking before the constrained answer."""
+        return self._tail is not None
 
     def consume(self, token: int) -> bool:
         """Advance by an accepted token; False if the grammar does not allow it (the sequence must end)."""
-        self.in_string, self.escaped = _scan_json(self.in_string, self.escaped, self._bytes[token])
+        data = self._bytes[token]
+        if self._tail is not None:
+            self._tail, data = self._end.after(self._tail, token, data)
+        if self._tail is None:  # quotes in the thinking say nothing about the answer's strings
+            self.in_string, self.escaped = _scan_json(self.in_string, self.escaped, data)
         return self._m.consume_token(token)
 
     @property
@@ -167,6 +207,7 @@ class GrammarCompiler:
         self._token_bytes: list[bytes] = []
         self._preference: dict[bool, np.ndarray] = {}
         self._favourites: dict[bool, list[int]] = {}  # token ids ranked below every plain text, best first
+        self._reasoning_ends: dict[str, _ReasoningEnd] = {}
 
     def _ll(self):
         """llguidance's view of the tokenizer, built on first use (a large vocabulary takes a moment)."""
@@ -186,7 +227,28 @@ class GrammarCompiler:
         self._template(spec)
 
     def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        return Matcher(self._template(spec).deep_copy(), self._token_bytes)
+        end = self._reasoning_end(spec.reasoning_end) if spec.reasoning_end else None
+        return Matcher(self._template(spec).deep_copy(), self._token_bytes, end)
+
+    def _reasoning_end(self, text: str) -> _ReasoningEnd:
+        if text not in self._reasoning_ends:
+            ids = tuple(self._tokenizer.encode(text, add_special_tokens=False))
+            single = ids[0] if len(ids) == 1 and self._ll().is_special_token(ids[0]) else None
+            self._reasoning_ends[text] = _ReasoningEnd(text.encode(), single, ids)
+        return self._reasoning_ends[text]
+
+    def _after_reasoning(self, grammar: str, text: str) -> str:
+        """`grammar` wrapped to apply after the thinking: any tokens but EOS (and the tag), then the tag."""
+        end = self._reasoning_end(text)
+        answer = json.loads(grammar)["grammars"]  # one grammar: what _grammar makes of any spec
+        answer[0]["name"] = "answer"
+        if end.token is not None:
+            closed = ",".join(str(t) for t in sorted({end.token, *self._ll_tokenizer.eos_tokens}))
+            lark = f"start: <[^{closed}]>* <[{end.token}]> @answer"
+        else:  # text: matched lazily, so the thinking ends at its first occurrence
+            tag = "".join(c if c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+            lark = f"start: thinking @answer\nthinking[lazy]: /(?s:.*){tag}/"
+        return json.dumps({"grammars": [{"name": "thinking", "lark_grammar": lark}, *answer]})
 
     def _template(self, spec: StructuredOutputsParams):
         import llguidance
@@ -197,6 +259,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         grammar = _grammar(spec)
+        if spec.reasoning_end:
+            grammar = self._after_reasoning(grammar, spec.reasoning_end)
         limits = llguidance.LLParserLimits(**_LIMITS)
         start = time.perf_counter()
         # Built outside the lock: llguidance releases the GIL while it builds, so others keep going.
@@ -217,11 +281,20 @@ class GrammarCompiler:
         most `budget` tokens long (ending in EOS, or with the grammar complete), or None if the walk finds
         none. The matcher does not move."""
         walk, path = matcher._m.deep_copy(), []
-        in_string, escaped = matcher.in_string, matcher.escaped
+        in_string, escaped, thinking = matcher.in_string, matcher.escaped, matcher._tail
         if after is not None:
             if not walk.consume_token(after):
                 return None
-            in_string, escaped = _scan_json(in_string, escaped, self._token_bytes[after])
+            data = self._token_bytes[after]
+            if thinking is not None:
+                thinking, data = matcher._end.after(thinking, after, data)
+            if thinking is None:
+                in_string, escaped = _scan_json(in_string, escaped, data)
+        if thinking is not None:  # end the thinking first: the answer must still fit
+            end = matcher._end.ids
+            if len(end) > budget or not walk.consume_tokens(list(end)):
+                return None
+            path.extend(end)
         eos = self._ll_tokenizer.eos_tokens
         while len(path) < budget and not walk.is_stopped():
             forced = walk.compute_ff_tokens()[:budget - len(path)]  # text the grammar allows alone (a key)
@@ -251,6 +324,8 @@ class GrammarCompiler:
     def keeps_way_out(self, matcher: Matcher, token: int) -> bool:
         """Whether `token` leaves the way to the end of the grammar as it is: text that stays inside a JSON
         string, or whitespace between JSON tokens. Such a draw spends one token of the budget and nothing else."""
+        if matcher.reasoning:  # the way out starts with the end of the thinking, wherever the thinking is
+            return True
         data = self._token_bytes[token]
         if not data:
             return False

@@ -109,9 +109,12 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load from a Hugging Face model folder; only tokenizer.json is required."""
+    def from_pretrained(cls, path: str | Path, model_dir: str | Path | None = None) -> Tokenizer:
+        """Load from a Hugging Face model folder; only tokenizer.json is required. `model_dir`: the model's
+        folder when the tokenizer comes from another one (its generation_config and config say which ids
+        end the output)."""
         path = Path(path)
+        model_dir = Path(model_dir) if model_dir is not None else path
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(
@@ -124,8 +127,8 @@ class Tokenizer:
             raise ValueError(f"{tok_file} could not be read as a tokenizer: {e}") from e
 
         tok_cfg = _read_json(path / "tokenizer_config.json")
-        gen_cfg = _read_json(path / "generation_config.json")
-        model_cfg = _read_json(path / "config.json")
+        gen_cfg = _read_json(model_dir / "generation_config.json")
+        model_cfg = _read_json(model_dir / "config.json")
 
         # generation_config is what the model authors stop on; the tokenizer's own EOS is added
         # because chat models often end a turn with it. config.json only when neither says.

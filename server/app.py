@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import json
 import logging
-import re
+import random
 import time
 import uuid
 from typing import AsyncIterator
@@ -46,12 +46,14 @@ from server.guards import RequestGuard
 from server.metrics import Metrics
 from server.openapi import openapi_document
 from server.options import ServerOptions
-from server.protocol import (ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, UnsupportedField,
-                             error_body)
+from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from server.chat import chat_route
 from server.responses import model_card
 from server.completions import completions_route
-from server.errors import APIError, error_response, internal_error, request_id_of
+from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
+from server.reasoning import ReasoningParser
+from server.response_store import ResponseStore
+from server.responses_api import delete_response_route, get_response_route, responses_route
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,10 @@ class OpenAIServer:
         self._live: set[str] = set()  # ids of the engine requests now running, for abort_all
         # Characters a text prompt may have before tokenizing it is pointless (see prompt_fits).
         self.max_prompt_chars: int | None = None
+        self.reasoning = ReasoningParser(options.reasoning_parser) if options.reasoning_parser else None
+        self.stored_responses = ResponseStore(options.responses_store_size)
+        # --seed: where requests without a seed get theirs (thread-safe: settings are built on worker threads).
+        self._seeds = random.Random(options.seed) if options.seed is not None else None
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -116,7 +122,7 @@ class OpenAIServer:
         try:
             body = schema.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
         except RecursionError:
             raise APIError(400, "request body is nested too deeply") from None
         if body.unknown_fields:
@@ -145,9 +151,10 @@ class OpenAIServer:
         return ids[-keep:] if keep else ids
 
     def check_and_build(self, body, prompt_ids: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+                        prompt_logprobs: int | None = None, reasoning_end: str | None = None) -> list[SamplingParams]:
         """Context-length checks and SamplingParams per prompt; raises APIError before any submission.
-        `max_tokens` None: the model's default (generation_config), else up to the context length."""
+        `max_tokens` None: the model's default (generation_config), else up to the context length.
+        `reasoning_end`: the reply thinks first, and an output constraint applies after this text."""
         limit = self.engine.scheduler_config.max_model_len
         params = []
         for ids in prompt_ids:
@@ -168,11 +175,21 @@ class OpenAIServer:
                 p = body.to_sampling_params(wanted, logprobs, self.options.sampling_defaults)
                 if prompt_logprobs is not None and p.prompt_logprobs is None:
                     p = dataclasses.replace(p, prompt_logprobs=prompt_logprobs)
+                if reasoning_end is not None and p.structured_outputs is not None:
+                    p = dataclasses.replace(p, structured_outputs=dataclasses.replace(
+                        p.structured_outputs, reasoning_end=reasoning_end))
+                p = self.seeded(p)
                 self.engine.validate(ids, p)
             except InvalidParameter as e:
                 raise APIError(400, str(e), param=e.param) from None
             params.append(p)
         return params
+
+    def seeded(self, params: SamplingParams) -> SamplingParams:
+        """A request without a seed gets the next one of the server's --seed sequence (unchanged without it)."""
+        if self._seeds is None or params.seed is not None or params.temperature == 0:
+            return params
+        return dataclasses.replace(params, seed=self._seeds.getrandbits(63))
 
     def render_chat(self, body: ChatCompletionRequest) -> str:
         """The chat prompt (worker thread): the request's template only if trusted, else the server's
@@ -230,7 +247,7 @@ class OpenAIServer:
             timers[i].on_tokens(len(out.new_token_ids))
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
             if out.finished:
-                self.metrics.observe_request(timers[i], out.finish_reason)
+                self.metrics.observe_request(timers[i], out)
 
         async def watch_disconnect():
             while (await request.receive())["type"] != "http.disconnect":
@@ -300,7 +317,7 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_document())
+        return JSONResponse(openapi_document(self.options.root_path))
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: a prompt or chat messages -> token ids (and their texts)."""
@@ -338,22 +355,6 @@ class OpenAIServer:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
-
-
-
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    """The first error as a 400 naming its field; a field refused by name (UnsupportedField) says why."""
-    for error in e.errors():
-        refused = (error.get("ctx") or {}).get("error")
-        if isinstance(refused, UnsupportedField):
-            return APIError(400, f"{refused.param}: {refused}", param=refused.param, code="unsupported_parameter")
-    # For a union field pydantic reports one error per alternative: the deepest says the most.
-    error = max(e.errors(), key=lambda err: len(err["loc"]))
-    param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
-    return APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param)
 
 
 def _check_strings(value, path: str = "") -> None:
@@ -407,6 +408,9 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/v1/completions", functools.partial(completions_route, api), methods=["POST"]),
         Route("/v1/chat/completions", functools.partial(chat_route, api), methods=["POST"]),
+        Route("/v1/responses", functools.partial(responses_route, api), methods=["POST"]),
+        Route("/v1/responses/{response_id}", functools.partial(get_response_route, api), methods=["GET"]),
+        Route("/v1/responses/{response_id}", functools.partial(delete_response_route, api), methods=["DELETE"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/version", api.version, methods=["GET"]),

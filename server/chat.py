@@ -9,6 +9,9 @@
 4. Tools (server/tool_calls.py): "required" and a named function constrain the reply to calls; "auto"
    parses the free reply with the server's --tool-call-parser. Calls go out as `tool_calls`, streamed as
    argument pieces, and a reply that ended with calls ends with finish_reason "tool_calls".
+5. With --reasoning-parser the thinking goes out as `reasoning_content` (and `reasoning`, vLLM's newer
+   name), apart from `content`; tools and structured outputs apply to the answer after it
+   (server/replies.py). `prepare_chat` is also the Responses API's way in (server/responses_api.py).
 """
 
 from __future__ import annotations
@@ -23,9 +26,39 @@ from jaxserve.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
 from server.errors import APIError, error_response, internal_error, request_id_of
 from server.protocol import ChatCompletionRequest
+from server.reasoning import END
+from server.replies import Piece, Replies
 from server.responses import (Usage, chat_logprobs, event_stream, prompt_logprobs_json, sse, tool_call_delta_json,
                               tool_call_json)
-from server.tool_calls import replier
+
+
+async def prepare_chat(api, body: ChatCompletionRequest) -> tuple[str, list[list[int]], list, Replies]:
+    """Everything before the engine, for a parsed chat request: (prompt text, prompt ids, settings, how the
+    replies read). The caller has admitted body.n requests. Raises APIError."""
+    if body.tool_mode == "auto" and body.tools:
+        if not api.options.tool_call_parser:
+            raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started '
+                                'with --enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
+                                '"required", "none" or a named function', param="tool_choice")
+        if api.options.tool_call_parser == "mistral":
+            body.skip_special_tokens = False  # its calls start with the special token [TOOL_CALLS]
+    if not body.include_reasoning and api.reasoning is None:
+        raise APIError(400, "include_reasoning: false needs a server started with --reasoning-parser",
+                       param="include_reasoning", code="unsupported_parameter")
+    for i, m in enumerate(body.messages):
+        api.prompt_fits(m.text, f"messages.{i}.content")
+    text = await run_in_threadpool(api.render_chat, body)
+    api.prompt_fits(text, "messages")
+    # The template writes any BOS itself: by default encode adds nothing more.
+    ids = await run_in_threadpool(api.engine.tokenizer.encode, text, body.add_special_tokens)
+    prompt_ids = [api.truncate(ids, body.truncate_prompt_tokens)]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    replies = Replies(body, api.options.tool_call_parser, api.reasoning, text)
+    # Off the event loop: a new structured-output grammar is compiled here. While the reply thinks, the
+    # grammar waits for the end of the thinking.
+    params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs, None,
+                                     END if replies.thinking else None)
+    return text, prompt_ids, params, replies
 
 
 async def chat_route(api, request: Request) -> Response:
@@ -33,27 +66,12 @@ async def chat_route(api, request: Request) -> Response:
     try:
         api.require_ready()
         body: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
-        if body.tool_mode == "auto" and body.tools:
-            if not api.options.tool_call_parser:
-                raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started '
-                                    'with --enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
-                                    '"required", "none" or a named function', param="tool_choice")
-            if api.options.tool_call_parser == "mistral":
-                body.skip_special_tokens = False  # its calls start with the special token [TOOL_CALLS]
         api.admit(body.n)
         admitted = body.n
-        for i, m in enumerate(body.messages):
-            api.prompt_fits(m.text, f"messages.{i}.content")
-        text = await run_in_threadpool(api.render_chat, body)
-        api.prompt_fits(text, "messages")
-        # The template writes any BOS itself: by default encode adds nothing more.
-        ids = await run_in_threadpool(api.engine.tokenizer.encode, text, body.add_special_tokens)
-        prompt_ids = [api.truncate(ids, body.truncate_prompt_tokens)]
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        # Off the event loop: a new structured-output grammar is compiled here.
-        params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs)
+        text, prompt_ids, params, replies = await prepare_chat(api, body)
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
+    logprobs = params[0].logprobs
     last = body.messages[-1]
     prefix = last.text if body.echo and last.role == "assistant" else ""
     token_str = api.engine.tokenizer.token_str
@@ -67,10 +85,9 @@ async def chat_route(api, request: Request) -> Response:
                 "model": api.engine.model_name}
     results = api.results(request, prompt_ids, params, [text], envelope["id"])
     usage = Usage(prompt_ids)
-    replies = replier(body, api.options.tool_call_parser)  # None: the reply is plain text
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}
-        streams = {k: replies.stream() for k in range(body.n)} if replies else {}
+        streams = {k: replies.stream() for k in range(body.n)}
 
         def choice_chunk(index: int, delta: dict, out=None, finish_reason=None, stop_reason=None) -> str:
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
@@ -86,16 +103,16 @@ async def chat_route(api, request: Request) -> Response:
                 yield choice_chunk(k, {"role": "assistant", "content": prefix})
             async for _, out in results:
                 usage.add(out.index, out)
-                stream = streams.get(out.index)
-                pieces = [stream.feed(out.new_text)] if stream else []
-                if out.finished and stream:
-                    pieces.append(stream.finish())
-                delta = _delta(pieces) if stream else {"content": out.new_text} if out.new_text else {}
+                stream = streams[out.index]
+                piece = stream.feed(out.new_text, len(out.new_token_ids))
+                if out.finished:
+                    piece += stream.finish()
+                delta = _delta(piece)
                 if delta or (logprobs is not None and out.new_token_ids):
                     yield choice_chunk(out.index, delta or {"content": ""}, out)
                 if out.finished:
                     final = out.outputs[0]
-                    yield choice_chunk(out.index, {}, finish_reason=_finish_reason(final, stream and stream.called),
+                    yield choice_chunk(out.index, {}, finish_reason=_finish_reason(final, stream.called),
                                        stop_reason=final.stop_reason)
             if body.include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage.as_dict()})
@@ -115,11 +132,14 @@ async def chat_route(api, request: Request) -> Response:
     choices = []
     for k in sorted(finals):
         final = finals[k]
-        message = {"role": "assistant", "content": prefix + final.text}
-        parsed = replies.parse(final.text) if replies else None
-        if parsed is not None and (parsed.tool_calls or body.tool_mode != "auto"):
+        parsed = replies.parse(final.text)
+        message = {"role": "assistant", "content": prefix + (parsed.content or "")}
+        if replies.calls is not None and (parsed.tool_calls or body.tool_mode != "auto"):
             message["content"] = parsed.content
             message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+            message["content"] = message["content"] or None  # it only thought (vLLM's reading)
         choice = {"index": k, "message": message, "logprobs": logprobs_of(final.token_ids, final.logprobs or []),
                   "finish_reason": _finish_reason(final, bool(message.get("tool_calls"))),
                   "stop_reason": final.stop_reason}
@@ -139,13 +159,13 @@ def _finish_reason(final: CompletionOutput, called: bool) -> str:
     return "tool_calls" if called and final.finish_reason == "stop" else final.finish_reason
 
 
-def _delta(pieces) -> dict:
-    """One chunk's delta from a tool-call stream's output: content and tool-call pieces."""
-    content = "".join(p.content for p in pieces)
-    calls = [tool_call_delta_json(d) for p in pieces for d in p.tool_calls]
-    delta = {"content": content} if content else {}
-    if calls:
-        delta["tool_calls"] = calls
+def _delta(piece: Piece) -> dict:
+    """One chunk's delta: thinking (under both names vLLM has used), content and tool-call pieces."""
+    delta = {"reasoning_content": piece.reasoning, "reasoning": piece.reasoning} if piece.reasoning else {}
+    if piece.content:
+        delta["content"] = piece.content
+    if piece.tool_calls:
+        delta["tool_calls"] = [tool_call_delta_json(d) for d in piece.tool_calls]
     return delta
 
 

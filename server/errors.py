@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from server.protocol import error_body
+from server.protocol import UnsupportedField, error_body
 
 
 class APIError(Exception):
@@ -27,3 +29,18 @@ def internal_error(request_id: str) -> APIError:
 
 def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first error as a 400 naming its field; a field refused by name (UnsupportedField) says why."""
+    for error in e.errors():
+        refused = (error.get("ctx") or {}).get("error")
+        if isinstance(refused, UnsupportedField):
+            return APIError(400, f"{refused.param}: {refused}", param=refused.param, code="unsupported_parameter")
+    # For a union field pydantic reports one error per alternative: the deepest says the most.
+    error = max(e.errors(), key=lambda err: len(err["loc"]))
+    param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
+    return APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param)

@@ -108,7 +108,7 @@ class RequestGuard:
 
 
 def _route_path(scope) -> str:
-    """The path as the router matches it: uvicorn's --root-path is prepended to the scope's path."""
+    """The path the router matches: uvicorn puts --root-path in front of the path the proxy forwarded."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
 

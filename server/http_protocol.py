@@ -71,6 +71,10 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
 
 
 def uvicorn_config(app, options: ServerOptions, **kwargs) -> uvicorn.Config:
-    """uvicorn's Config for `app` with the server's HTTP protocol; `kwargs` go to the Config as they are."""
+    """uvicorn's Config for `app`: the server's HTTP protocol (header limit), TLS, the root path behind a
+    proxy, uvicorn's log level and access log from `options`; `kwargs` (host, port, ...) go to the Config
+    as they are and win."""
     protocol = functools.partial(HeaderLimitedProtocol, max_header_bytes=options.max_header_bytes)
-    return uvicorn.Config(app, http=protocol, **kwargs)
+    settings = dict(log_level=options.uvicorn_log_level, access_log=options.log_requests,
+                    root_path=options.root_path, ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile)
+    return uvicorn.Config(app, http=protocol, **(settings | kwargs))

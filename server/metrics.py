@@ -1,91 +1,170 @@
-"""Prometheus metrics under the `jaxserve:` prefix, in a registry per app (tests build several apps).
+"""Prometheus metrics under the `jaxserve:` prefix, each also under vLLM's `vllm:` name, in a registry per app
+(tests build several apps).
 
-Latency histograms and token counters are fed by the request handlers as tokens reach the client;
-state gauges (running, waiting, KV usage) and engine-owned counters (compilations since warm-up,
-preemptions, prefix-cache queries and hits in tokens, steps and the sequences and tokens they held)
-are read from the engine at scrape time, so they never drift from the truth.
+1. The request handlers feed the latency histograms and token counters as tokens reach the client
+   (`observe_request` once a request ends, with the queue time the engine measured); state gauges
+   (running, waiting, KV usage) and engine-owned counters (compilations since warm-up, preemptions,
+   prefix-cache queries and hits in tokens, steps and the sequences and tokens they held) are read from
+   the engine at scrape time, so they never drift from the truth.
+2. One collector reads every family once per scrape and yields it twice: as ours, and renamed to the
+   vLLM series that dashboards built for vLLM read (`vllm:num_requests_running`,
+   `vllm:time_to_first_token_seconds`, ...), with vLLM's `model_name` and `engine` labels. Both come
+   from the same read, so a scrape shows the same values and the same buckets under both names, and
+   nothing is counted twice.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jaxserve.async_engine import AsyncEngine, TokenTimer
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
+# Phases of a whole request (queued, prefilling, decoding): vLLM's request-latency buckets.
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 5e6
+
+# Our family -> the vLLM names that carry the same series (vLLM renamed some; dashboards read either).
+VLLM_NAMES = {
+    "jaxserve:num_requests_running": ("vllm:num_requests_running",),
+    "jaxserve:num_requests_waiting": ("vllm:num_requests_waiting",),
+    "jaxserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "jaxserve:num_preemptions": ("vllm:num_preemptions",),
+    "jaxserve:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "jaxserve:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "jaxserve:prompt_tokens": ("vllm:prompt_tokens",),
+    "jaxserve:generation_tokens": ("vllm:generation_tokens",),
+    "jaxserve:request_success": ("vllm:request_success",),
+    "jaxserve:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "jaxserve:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                             "vllm:time_per_output_token_seconds"),
+    "jaxserve:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "jaxserve:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "jaxserve:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "jaxserve:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "jaxserve:request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
+    "jaxserve:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "jaxserve:request_generation_tokens": ("vllm:request_generation_tokens",),
+}
 
 
-class _EngineStateCollector:
-    def __init__(self, async_engine: AsyncEngine):
+def _engine_state(async_engine: AsyncEngine):
+    engine = async_engine.engine
+    ready = engine is not None and async_engine.ready.is_set()
+    scheduler = engine.scheduler if ready else None
+    running = GaugeMetricFamily("jaxserve:num_requests_running", "Requests holding a decode slot")
+    waiting = GaugeMetricFamily("jaxserve:num_requests_waiting", "Requests queued for a slot or pages")
+    usage = GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)")
+    compiles = CounterMetricFamily("jaxserve:compilations", "XLA compilations since warm-up ended")
+    preemptions = CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted for KV pages")
+    queries = CounterMetricFamily("jaxserve:prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache (at each admission)")
+    hits = CounterMetricFamily("jaxserve:prefix_cache_hits", "Prompt tokens whose KV pages came from the prefix cache")
+    steps = CounterMetricFamily("jaxserve:engine_steps", "Device steps the engine launched")
+    step_sequences = CounterMetricFamily("jaxserve:engine_step_sequences",
+                                         "Sequences the steps held (per step: the batch size)")
+    step_tokens = CounterMetricFamily("jaxserve:engine_step_tokens",
+                                      "Tokens the steps held, prompt and decode, padding excluded")
+    running.add_metric([], len(scheduler.running) if scheduler else 0)
+    waiting.add_metric([], len(scheduler.waiting) if scheduler else 0)
+    usage.add_metric([], scheduler.kv_usage() if scheduler else 0.0)
+    compiles.add_metric([], engine.compilations_since_warmup if ready else 0)
+    preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
+    queries.add_metric([], scheduler.prefix_cache_queries if scheduler else 0)
+    hits.add_metric([], scheduler.prefix_cache_hits if scheduler else 0)
+    stats = engine.stats if ready else None
+    steps.add_metric([], stats.steps if stats else 0)
+    step_sequences.add_metric([], stats.step_sequences if stats else 0)
+    step_tokens.add_metric([], stats.step_tokens if stats else 0)
+    startup = GaugeMetricFamily("jaxserve:startup_seconds", "Seconds each start-up phase took (total: to ready)",
+                                labels=["phase"])
+    for phase, seconds in (engine.startup_seconds.items() if ready else ()):
+        startup.add_metric([phase], seconds)
+    programs = GaugeMetricFamily("jaxserve:step_programs", "Step programs (one per token bucket): ready to "
+                                 "run, and in all (warm-up may compile some while serving)", labels=["state"])
+    if ready:
+        programs.add_metric(["ready"], len(engine.runner.ready_buckets))
+        programs.add_metric(["total"], len(engine.runner.layouts))
+    return (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
+            startup, programs)
+
+
+class _Exporter:
+    """The registry's one collector: every family once, then its vLLM twins (see the module docstring)."""
+
+    def __init__(self, async_engine: AsyncEngine, own: list):
         self.async_engine = async_engine
+        self.own = own  # our client-side metrics (histograms, counters), registered nowhere else
 
     def collect(self):
         engine = self.async_engine.engine
-        ready = engine is not None and self.async_engine.ready.is_set()
-        scheduler = engine.scheduler if ready else None
-        running = GaugeMetricFamily("jaxserve:num_requests_running", "Requests holding a decode slot")
-        waiting = GaugeMetricFamily("jaxserve:num_requests_waiting", "Requests queued for a slot or pages")
-        usage = GaugeMetricFamily("jaxserve:kv_cache_usage_perc", "Fraction of KV pages in use (1 = full)")
-        compiles = CounterMetricFamily("jaxserve:compilations", "XLA compilations since warm-up ended")
-        preemptions = CounterMetricFamily("jaxserve:num_preemptions", "Requests preempted for KV pages")
-        queries = CounterMetricFamily("jaxserve:prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache (at each admission)")
-        hits = CounterMetricFamily("jaxserve:prefix_cache_hits",
-                                   "Prompt tokens whose KV pages came from the prefix cache")
-        steps = CounterMetricFamily("jaxserve:engine_steps", "Device steps the engine launched")
-        step_sequences = CounterMetricFamily("jaxserve:engine_step_sequences",
-                                             "Sequences the steps held (per step: the batch size)")
-        step_tokens = CounterMetricFamily("jaxserve:engine_step_tokens",
-                                          "Tokens the steps held, prompt and decode, padding excluded")
-        running.add_metric([], len(scheduler.running) if scheduler else 0)
-        waiting.add_metric([], len(scheduler.waiting) if scheduler else 0)
-        usage.add_metric([], scheduler.kv_usage() if scheduler else 0.0)
-        compiles.add_metric([], engine.compilations_since_warmup if ready else 0)
-        preemptions.add_metric([], scheduler.num_preemptions if scheduler else 0)
-        queries.add_metric([], scheduler.prefix_cache_queries if scheduler else 0)
-        hits.add_metric([], scheduler.prefix_cache_hits if scheduler else 0)
-        stats = engine.stats if ready else None
-        steps.add_metric([], stats.steps if stats else 0)
-        step_sequences.add_metric([], stats.step_sequences if stats else 0)
-        step_tokens.add_metric([], stats.step_tokens if stats else 0)
-        startup = GaugeMetricFamily("jaxserve:startup_seconds", "Seconds each start-up phase took (total: to ready)",
-                                    labels=["phase"])
-        for phase, seconds in (engine.startup_seconds.items() if ready else ()):
-            startup.add_metric([phase], seconds)
-        programs = GaugeMetricFamily("jaxserve:step_programs", "Step programs (one per token bucket): ready to "
-                                     "run, and in all (warm-up may compile some while serving)", labels=["state"])
-        if ready:
-            programs.add_metric(["ready"], len(engine.runner.ready_buckets))
-            programs.add_metric(["total"], len(engine.runner.layouts))
-        yield from (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
-                    startup, programs)
+        model_name = engine.model_name if engine is not None and self.async_engine.ready.is_set() else None
+        families = [*_engine_state(self.async_engine), *(f for metric in self.own for f in metric.collect())]
+        yield from families
+        if model_name is None:
+            return
+        labels = {"model_name": model_name, "engine": "0"}
+        for family in families:
+            for name in VLLM_NAMES.get(family.name, ()):
+                twin = Metric(name, family.documentation, family.type, family.unit)
+                for s in family.samples:
+                    twin.add_sample(name + s.name[len(family.name):], {**s.labels, **labels}, s.value,
+                                    s.timestamp, s.exemplar)
+                yield twin
+
+
+# attribute -> (our name, help, buckets) of the histograms the request handlers feed.
+_HISTOGRAMS = {
+    "ttft": ("jaxserve:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS),
+    "itl": ("jaxserve:inter_token_latency_seconds", "Time between tokens of a request", LATENCY_BUCKETS),
+    "e2e": ("jaxserve:e2e_request_latency_seconds", "Request latency, arrival to finish", LATENCY_BUCKETS),
+    "queue": ("jaxserve:request_queue_time_seconds", "Time waiting for a slot and KV pages, arrival to first "
+              "admission", REQUEST_BUCKETS),
+    "prefill": ("jaxserve:request_prefill_time_seconds", "Time from admission to the first token", REQUEST_BUCKETS),
+    "decode": ("jaxserve:request_decode_time_seconds", "Time from the first token to the last", REQUEST_BUCKETS),
+    "inference": ("jaxserve:request_inference_time_seconds", "Time from admission to the last token",
+                  REQUEST_BUCKETS),
+    "prompt_lengths": ("jaxserve:request_prompt_tokens", "Prompt tokens per finished request", TOKEN_COUNT_BUCKETS),
+    "output_lengths": ("jaxserve:request_generation_tokens", "Generated tokens per finished request",
+                       TOKEN_COUNT_BUCKETS),
+}
 
 
 class Metrics:
     def __init__(self, async_engine: AsyncEngine):
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("jaxserve:time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("jaxserve:inter_token_latency_seconds", "Time between tokens of a request",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("jaxserve:e2e_request_latency_seconds", "Request latency, arrival to finish",
-                             registry=r, buckets=LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=r)
+        for attribute, (name, doc, buckets) in _HISTOGRAMS.items():
+            setattr(self, attribute, Histogram(name, doc, registry=None, buckets=buckets))
+        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=None)
+        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=None)
         self.requests = Counter("jaxserve:request_success", "Finished requests by finish reason",
-                                ["finished_reason"], registry=r)
-        r.register(_EngineStateCollector(async_engine))
+                                ["finished_reason"], registry=None)
+        self.registry = CollectorRegistry()
+        self.registry.register(_Exporter(async_engine, [
+            *(getattr(self, attribute) for attribute in _HISTOGRAMS),
+            self.prompt_tokens, self.generation_tokens, self.requests]))
 
-    def observe_request(self, timer: TokenTimer, finish_reason: str | None) -> None:
+    def observe_request(self, timer: TokenTimer, out) -> None:
+        """A request (one choice) has finished with output `out`: its latencies and lengths."""
         if timer.first_token is not None:
             self.ttft.observe(timer.first_token)
         for gap in timer.gaps:
             self.itl.observe(gap)
         self.e2e.observe(timer.total)
-        self.requests.labels(finished_reason=finish_reason or "unknown").inc()
+        self.requests.labels(finished_reason=out.finish_reason or "unknown").inc()
+        self.prompt_lengths.observe(len(out.prompt_token_ids))
+        self.output_lengths.observe(out.num_output_tokens)
+        if out.queue_seconds is None:  # never admitted (aborted while queued)
+            self.queue.observe(timer.total)
+            return
+        self.queue.observe(out.queue_seconds)
+        if timer.first_token is not None:
+            last = timer.last - timer.start
+            self.prefill.observe(max(0.0, timer.first_token - out.queue_seconds))
+            self.decode.observe(last - timer.first_token)
+            self.inference.observe(max(0.0, last - out.queue_seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

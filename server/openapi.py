@@ -7,8 +7,9 @@ from functools import lru_cache
 from pydantic.json_schema import models_json_schema
 
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.responses_protocol import ResponsesRequest
 
-MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 _ERROR = {"description": "OpenAI error JSON: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
 
 
@@ -26,18 +27,23 @@ def _get(summary: str) -> dict:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK"}, "503": _ERROR}}}
 
 
-@lru_cache(maxsize=1)
-def openapi_document() -> dict:
+@lru_cache(maxsize=4)
+def openapi_document(root_path: str = "") -> dict:
+    """`root_path` (--root-path): where a client reaches the routes behind the proxy."""
     refs, definitions = models_json_schema(
         [(model, "validation") for model in MODELS], ref_template="#/components/schemas/{model}")
     ref = {model: refs[(model, "validation")]["$ref"] for model in MODELS}
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": "0.1.0",
-                 "description": "OpenAI-compatible completions and chat completions"},
+                 "description": "OpenAI-compatible completions, chat completions and responses"},
+        "servers": [{"url": root_path or "/"}],
         "paths": {
             "/v1/completions": _post("Create a completion", ref[CompletionRequest]),
             "/v1/chat/completions": _post("Create a chat completion", ref[ChatCompletionRequest]),
+            "/v1/responses": _post("Create a model response (OpenAI's Responses API)", ref[ResponsesRequest]),
+            "/v1/responses/{response_id}": {**_get("A stored response"), "delete": {
+                "summary": "Delete a stored response", "responses": {"200": {"description": "OK"}, "404": _ERROR}}},
             "/tokenize": _post("Token ids of a prompt or of chat messages", ref[TokenizeRequest]),
             "/detokenize": _post("The text of token ids", ref[DetokenizeRequest]),
             "/v1/models": _get("The served model"),

@@ -1,4 +1,5 @@
-"""The server's own settings (the engine's are `EngineArgs`): security, limits, chat templates, shutdown."""
+"""The server's own settings (the engine's are `EngineArgs`): security, limits, chat templates, reasoning,
+the Responses API store, shutdown, and how uvicorn listens (TLS, root path, logging)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far more than any prompt a model's context can hold as JSON
 # A request's line and headers together: nginx's default total (4 buffers of 8 KiB); h11 allows 16 KiB.
 DEFAULT_MAX_HEADER_BYTES = 32 << 10
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,19 @@ class ServerOptions:
     # Report ready (/health 200) once one step program can run every step and compile the others while
     # serving (steps use the next bigger ready program meanwhile); False: only when all are compiled.
     background_warmup: bool = True
+    # Split replies into thinking (`reasoning_content`) and answer (server/reasoning.py): qwen3, deepseek_r1.
+    reasoning_parser: str | None = None
+    # Draw the seed of every request that gives none from this seed (vLLM's --seed): the same requests in the
+    # same order sample the same tokens after a restart. None: fresh randomness.
+    seed: int | None = None
+    # Responses the Responses API keeps for previous_response_id, least recently used dropped first (0: none).
+    responses_store_size: int = 256
+    # uvicorn: the ASGI root path behind a proxy that strips a prefix, TLS, its log level, the access log.
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    uvicorn_log_level: str = "info"
+    log_requests: bool = True
 
     def __post_init__(self):
         if self.max_request_body_bytes < 1024:
@@ -49,6 +64,20 @@ class ServerOptions:
         if self.tool_call_parser is not None:
             from server.tool_parsers import get_parser
             get_parser(self.tool_call_parser)  # ValueError naming the choices
+        if self.reasoning_parser is not None:
+            from server.reasoning import ReasoningParser
+            ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with '/' and not end with one, got {self.root_path!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        for path in (self.ssl_keyfile, self.ssl_certfile):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -44,7 +44,6 @@ _UNSUPPORTED = {
     "vllm_xargs": (None, "vllm_xargs extensions are not supported"),
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
     "priority": (0, "priority scheduling is not enabled"),
-    "include_reasoning": (True, "include_reasoning=false needs a reasoning parser, which this server has not"),
     "max_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "repetition_min_count": (0, "repetition-pattern stopping is not supported"),

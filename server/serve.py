@@ -90,13 +90,15 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilati
     enable_compilation_cache(compilation_cache_dir)
     async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)
-    config = uvicorn_config(app, options, host=host, port=port, log_level="info",
+    config = uvicorn_config(app, options, host=host, port=port,
                             timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)
     server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
     async_engine.on_failure = server.engine_failed
     async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
-    logger.info("serving on http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)%s",
-                host, port, "; API key required" if options.api_key else "")
+    scheme = "https" if options.ssl_certfile else "http"
+    logger.info("serving on %s://%s:%d%s (OpenAI-compatible: /v1/completions, /v1/chat/completions, "
+                "/v1/responses)%s", scheme, host, port, options.root_path,
+                "; API key required" if options.api_key else "")
     try:
         server.run()
     finally:
