@@ -38,20 +38,26 @@ def is_quantized_dtype(dtype) -> bool:
     return jnp.dtype(dtype) in QMAX
 
 
+def symmetric_codes(x: jax.Array, absmax: jax.Array, qmax: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """Codes of float32 x in `dtype` (integer: rounded; float8: cast) and the scales absmax / qmax, absmax
+    broadcasting against x; where absmax is 0 the scale and the codes are 0. Shared with the weights'
+    quantizer (`jaxserve.quantization`)."""
+    scale = absmax / qmax
+    inv = jnp.where(absmax > 0, qmax / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+    # Clip before the cast: x * inv can overshoot qmax by an ulp, and e4m3fn has no infinity (it gives NaN).
+    scaled = jnp.clip(x * inv, -qmax, qmax)
+    codes = scaled.astype(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.round(scaled).astype(dtype)
+    return codes, scale
+
+
 def quantize_kv_tokens(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """x [..., head_dim] (any float) -> (codes [..., head_dim] in `dtype`, scales [...] float32)."""
     dtype = jnp.dtype(dtype)
     if dtype not in QMAX:
         raise ValueError(f"KV pages quantize to int8 or float8_e4m3fn, not {dtype}")
-    qmax = QMAX[dtype]
     x = x.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(x), axis=-1)
-    scale = absmax / qmax
-    inv = jnp.where(absmax > 0, qmax / jnp.where(absmax > 0, absmax, 1.0), 0.0)
-    # Clip before the cast: x * inv can overshoot qmax by an ulp, and e4m3fn has no infinity (it gives NaN).
-    scaled = jnp.clip(x * inv[..., None], -qmax, qmax)
-    codes = jnp.round(scaled).astype(dtype) if dtype == jnp.int8 else scaled.astype(dtype)
-    return codes, scale.astype(SCALE_DTYPE)
+    codes, scale = symmetric_codes(x, jnp.max(jnp.abs(x), axis=-1, keepdims=True), QMAX[dtype], dtype)
+    return codes, scale[..., 0].astype(SCALE_DTYPE)
 
 
 def dequantize_kv(codes: jax.Array, scales: jax.Array) -> jax.Array:
