@@ -4,8 +4,9 @@ The 124.7M test Llama's per-step matmuls (12 layers of q/k/v/o and gate/up/down,
 head; the chain of `cpu_matmul_layout.py`), jitted as one program, for 1, 2, 4, 16 and 64 rows:
 1. float32 `x @ W` (the baseline every ratio is against) and bfloat16 weights;
 2. int8 weights: weight-only (codes converted in the step), dynamic per-row int8 activations with an
-   int8 x int8 -> int32 dot, and that dot with a one-row batch padded to two rows;
-3. int8 weight-only as a broadcast multiply and reduction (no dot at all: one candidate for one row);
+   int8 x int8 -> int32 dot;
+3. candidates for one row: int8 x int8 padded to 2 or 4 rows, with the codes stored [out, in] (W @ x),
+   and int8 weight-only as a broadcast multiply and reduction (no dot at all);
 4. fp8 (e4m3) weights: weight-only and fp8 x fp8 -> float32; int4 weights: weight-only.
 Variants run interleaved (round robin, `--rounds` rounds of `--calls` calls each) and the table shows each
 one's median ms per step and its speed as a ratio to float32 in the same round (>1 is faster). Run it
@@ -17,6 +18,7 @@ once on a quiet machine (`uptime` load below 2.5): only the ratios carry over to
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,8 +33,17 @@ from jaxserve.quantization import quantize_weight, quantized_linear
 PAD_KV = lambda a: jnp.pad(a, ((0, 0), (0, HIDDEN - KV)))  # noqa: E731 (the chain's k + v widening)
 
 
-def _linear(strategy, pad=False):
-    return lambda qw, x: quantized_linear(x, qw, strategy, pad_single_row=pad)
+def _linear(strategy, min_rows=1):
+    return lambda qw, x: quantized_linear(x, qw, strategy, min_rows=min_rows)
+
+
+def _int8_out_in(qw, x):
+    """Dynamic int8 with the codes [out, in] (PyTorch's layout) as the dot's left operand: W @ x.T."""
+    x = x.astype(jnp.float32)
+    row_scale = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127
+    xq = jnp.round(x / row_scale).astype(jnp.int8)
+    acc = jax.lax.dot_general(qw.codes, xq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return acc.T.astype(jnp.float32) * qw.scales * row_scale
 
 
 def _multiply_reduce(qw, x):
@@ -46,7 +57,9 @@ VARIANTS = {
     "bfloat16 weights": ("bfloat16", lambda w, x: (x.astype(jnp.bfloat16) @ w).astype(jnp.float32), False),
     "int8 weight-only": ("int8", _linear("weight_only"), False),
     "int8 x int8 dynamic": ("int8", _linear("dynamic_int8"), False),
-    "int8 x int8, 1 row padded to 2": ("int8", _linear("dynamic_int8", pad=True), True),
+    "int8 x int8, 1 row padded to 2": ("int8", _linear("dynamic_int8", min_rows=2), True),
+    "int8 x int8, 1 row padded to 4": ("int8", _linear("dynamic_int8", min_rows=4), True),
+    "int8 x int8, W [out, in]": ("int8-out-in", _int8_out_in, True),
     "int8 multiply-reduce": ("int8", _multiply_reduce, True),
     "fp8 weight-only": ("fp8", _linear("weight_only"), False),
     "fp8 x fp8 dynamic": ("fp8", _linear("dynamic_fp8"), False),
@@ -60,6 +73,8 @@ def stored_weights(kind: str, layers, head):
         return layers, head
     if kind == "bfloat16":
         cast = lambda w: w.astype(jnp.bfloat16)  # noqa: E731
+    elif kind == "int8-out-in":  # codes transposed once, at load
+        cast = lambda w: (lambda q: type(q)(q.codes.T.copy(), q.scales))(quantize_weight(w, "int8"))  # noqa: E731
     else:
         cast = lambda w: quantize_weight(w, kind)  # noqa: E731
     return [{name: cast(w) for name, w in layer.items()} for layer in layers], cast(head)
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     layers, head = weights(rng, out_in=False)
     stores = {kind: stored_weights(kind, layers, head) for kind in {v[0] for v in VARIANTS.values()}}
     programs = {name: chain(linear, PAD_KV) for name, (_, linear, _) in VARIANTS.items()}
-    print(f"JAX {jax.__version__} on {jax.default_backend()}; {LAYERS} layers, hidden {HIDDEN}, intermediate "
+    print(f"JAX {jax.__version__} on {jax.default_backend()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {LAYERS} layers, hidden {HIDDEN}, intermediate "
           f"{MLP}, vocab {VOCAB}; median of {args.rounds} interleaved rounds x {args.calls} calls")
     names = [n for n in VARIANTS]
     print("| rows | " + " | ".join(names) + " |")

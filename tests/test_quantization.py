@@ -141,8 +141,9 @@ def test_one_padded_row_and_leading_axes_give_the_same_result(strategy):
     qw = WEIGHTS["int8-channel"]
     x = jnp.asarray(X)
     one = quantized_linear(x[:1], qw, strategy)
-    np.testing.assert_array_equal(np.asarray(quantized_linear(x[:1], qw, strategy, pad_single_row=True)),
-                                  np.asarray(one))
+    for min_rows in (2, 4):
+        np.testing.assert_array_equal(np.asarray(quantized_linear(x[:1], qw, strategy, min_rows=min_rows)),
+                                      np.asarray(one))
     batched = quantized_linear(x.reshape(3, 1, 128), qw, strategy)
     assert batched.shape == (3, 1, 48)
     np.testing.assert_allclose(np.asarray(batched[:, 0]), np.asarray(quantized_linear(x, qw, strategy)), rtol=1e-6)

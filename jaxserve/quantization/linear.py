@@ -10,7 +10,7 @@
 3. `dynamic_fp8`: the same with e4m3 activations and fp8 weights, accumulated in float32: Hopper's fp8
    tensor cores.
 `default_strategy` picks per platform and weight dtype, from the measurements in docs/quantization.md.
-A batch of a single row is padded to two on the CPU, whose tuned integer GEMM starts at two rows.
+A batch of one row can be padded to more (`min_rows`): the CPU's tuned integer GEMM starts at two rows.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _dynamic(x, qw: QuantizedWeight, act_dtype):
 
 
 def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_only", *,
-                     pad_single_row: bool = False) -> jax.Array:
+                     min_rows: int = 1) -> jax.Array:
     """x [..., in] @ W [in, out] -> [..., out] in x's dtype.
 
     Args:
@@ -93,7 +93,8 @@ def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_
       qw: the weight; `dynamic_int8` needs integer codes (int8, or int4 / uint4 converted exactly),
         `dynamic_fp8` fp8 codes.
       strategy: one of STRATEGIES (`default_strategy` picks one per backend).
-      pad_single_row: run a one-row batch as two rows (the CPU's integer GEMM starts at two).
+      min_rows: pad a batch of fewer rows with zero rows up to this many (static): XLA's CPU backend runs a
+        one-row integer dot in slow generated code, a two-row one in its tuned GEMM.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -106,13 +107,11 @@ def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_
     if features != qw.codes.shape[0]:
         raise ValueError(f"x has {features} features but the weight takes {qw.codes.shape[0]}")
     rows = x.reshape(-1, features)
-    single = pad_single_row and rows.shape[0] == 1
-    if single:
-        rows = jnp.concatenate([rows, jnp.zeros_like(rows)])
+    real = rows.shape[0]
+    if real < min_rows:
+        rows = jnp.concatenate([rows, jnp.zeros((min_rows - real, features), rows.dtype)])
     if strategy == "weight_only":
         y = _weight_only(rows, qw)
     else:
         y = _dynamic(rows, qw, _INT8 if strategy == "dynamic_int8" else _FP8)
-    if single:
-        y = y[:1]
-    return y.astype(x.dtype).reshape(*lead, -1)
+    return y[:real].astype(x.dtype).reshape(*lead, -1)
