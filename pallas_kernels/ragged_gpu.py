@@ -13,6 +13,9 @@
 4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
    sequence's rows, which another program owns). Padding rows (from cu_q_lens[-1] on) belong to no item;
    the wrapper zeroes them.
+Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
+`[num_pages, page_size]` operand per KV head each for K and V), converted to q's dtype in registers, and
+the scales folded into the scores and the value weights.
 
 The default tile is 32 rows (block_q = 32 // G_pad tokens, at least one; 16 rows is tl.dot's minimum):
 a decode item fills only G_pad of them, but decode is bound by K/V bytes, not by the dot, while a prefill
