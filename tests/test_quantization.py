@@ -66,6 +66,7 @@ def test_int4_codes_are_packed_on_device():
     qw = quantize_weight(np.ones((256, 256), np.float32), "int4")
     assert qw.nbytes == 256 * 256 // 2 + 256 * 4
     assert qw.codes.addressable_data(0).on_device_size_in_bytes() == 256 * 256 // 2
+    assert _asymmetric_int4().nbytes == 128 * 48 // 2 + 4 * 48 * 4 + 4 * 48  # codes, scales, int8 zeros
 
 
 def _asymmetric_int4(block: int = 32) -> QuantizedWeight:
@@ -73,7 +74,7 @@ def _asymmetric_int4(block: int = 32) -> QuantizedWeight:
     codes = RNG.integers(0, 16, size=(128, 48))
     zeros = RNG.integers(1, 16, size=(128 // block, 48))
     scales = RNG.uniform(0.001, 0.02, size=(128 // block, 48)).astype(np.float32)
-    return QuantizedWeight(jnp.asarray(codes, jnp.uint4), jnp.asarray(scales), jnp.asarray(zeros, jnp.uint4))
+    return QuantizedWeight(jnp.asarray(codes, jnp.uint4), jnp.asarray(scales), jnp.asarray(zeros, jnp.int8))
 
 
 def _weights():

@@ -32,11 +32,12 @@ def default_strategy(platform: str, weight_dtype) -> str:
     weight_dtype = jnp.dtype(weight_dtype)
     platform = platform.lower()
     if weight_dtype == _FP8:
-        # fp8 tensor cores on Hopper GPUs; CPUs and TPU v5e have no fp8 arithmetic, only fp8 storage.
+        # fp8 tensor cores on Hopper GPUs; CPUs and TPU v5e have no fp8 arithmetic, only fp8 storage (on the
+        # CPU weight-only runs at 0.15-0.5x float32: re-quantizing to int8 at load is the fast option).
         return "dynamic_fp8" if platform in ("gpu", "cuda") else "weight_only"
     if weight_dtype == _INT8:
         return "dynamic_int8"  # VNNI / AMX on CPUs, the int8 MXU on TPUs, IMMA tensor cores on GPUs
-    return "weight_only"  # 4-bit codes: their point is bytes, and decode steps are bound by bytes
+    return "weight_only"  # 4-bit codes: their point is bytes (decode steps are bound by bytes on GPU and TPU)
 
 
 def _dot(a, b, dtype):

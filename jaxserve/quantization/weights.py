@@ -47,12 +47,14 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes on device: 4-bit codes count half a byte (XLA packs them)."""
-        code_bits = 4 if self.codes.dtype in (jnp.int4, jnp.uint4) else 8 * self.codes.dtype.itemsize
-        total = self.codes.size * code_bits // 8 + self.scales.size * self.scales.dtype.itemsize
-        if self.zeros is not None:
-            total += self.zeros.size * code_bits // 8
-        return total
+        """Bytes on device: 4-bit arrays count half a byte an element (XLA packs them)."""
+        return sum(_device_bytes(a) for a in (self.codes, self.scales, self.zeros) if a is not None)
+
+
+def _device_bytes(a) -> int:
+    if a.dtype in (jnp.int4, jnp.uint4):
+        return (a.size + 1) // 2
+    return a.size * a.dtype.itemsize
 
 
 def check_quantized_weight(qw: QuantizedWeight, name: str = "weight") -> QuantizedWeight:
