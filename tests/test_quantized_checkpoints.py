@@ -79,6 +79,24 @@ def test_detection_names_each_format():
     assert not ct.quant.is_quantized("lm_head", ct.file.tensors)
 
 
+def test_side_file_configs_of_older_exports_are_read(tmp_path):
+    """AutoGPTQ before 0.7 kept its settings in quantize_config.json only (no quant_method); AutoAWQ in
+    quant_config.json with its own key names."""
+    gptq = json.loads((FIXTURES / "gptq_int4" / "quantize_config.json").read_text())
+    gptq.pop("quant_method")
+    (tmp_path / "quantize_config.json").write_text(json.dumps(gptq))
+    assert detect_checkpoint_quantization({"model_type": "llama"}, tmp_path).summary == (
+        "GPTQ (gptq) int4 weights, groups of 32, symmetric")
+    (tmp_path / "quantize_config.json").unlink()
+    (tmp_path / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 128, "w_bit": 4,
+                                                            "version": "GEMM"}))
+    assert detect_checkpoint_quantization({}, tmp_path).summary == "AutoAWQ GEMM int4 weights, groups of 128, zero points"
+    (tmp_path / "quant_config.json").write_text(json.dumps({"q_group_size": 128, "w_bit": 3, "version": "GEMM"}))
+    with pytest.raises(UnsupportedQuantization, match="AWQ with 3 bits"):
+        detect_checkpoint_quantization({}, tmp_path)
+    assert detect_checkpoint_quantization({}, tmp_path / "elsewhere") is None
+
+
 def _readme_dequantized(ckpt: Checkpoint, prefix: str) -> np.ndarray:
     """W.T [in, out] float32, by the fixture README's rule for the checkpoint's format."""
     g = ckpt.get

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Callable
 
 import ml_dtypes
@@ -201,8 +203,9 @@ def _awq(qc: dict) -> AutoAWQ:
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise _refuse(f"AWQ version {version!r} (a different packing than GEMM)")
-    if qc.get("bits", 4) != 4:
-        raise _refuse(f"AWQ with {qc.get('bits')} bits")
+    bits = qc.get("bits", qc.get("w_bit", 4))  # AutoAWQ's own quant_config.json says w_bit
+    if bits != 4:
+        raise _refuse(f"AWQ with {bits} bits")
     if not qc.get("zero_point", True):
         raise _refuse("AWQ without zero points")
     group = qc.get("group_size", qc.get("q_group_size", 128))
@@ -227,9 +230,22 @@ def _gptq(qc: dict) -> Gptq:
                 zero_offset=1 if fmt == "gptq" else 0)
 
 
-def detect_checkpoint_quantization(config: dict) -> CheckpointQuantization | None:
-    """The quantization of a checkpoint from its config.json dict; None for a float checkpoint."""
+# Older exports keep the settings beside config.json instead of in it: AutoGPTQ's quantize_config.json
+# (without quant_method before 0.7) and AutoAWQ's quant_config.json.
+SIDECAR_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def detect_checkpoint_quantization(config: dict, model_dir: str | Path | None = None
+                                   ) -> CheckpointQuantization | None:
+    """The quantization of a checkpoint from its config.json dict (and, without a `quantization_config`
+    there, the side files of `model_dir`); None for a float checkpoint."""
     qc = config.get("quantization_config")
+    if qc is None and model_dir is not None:
+        for name, method in SIDECAR_CONFIGS.items():
+            path = Path(model_dir) / name
+            if path.is_file():
+                qc = {"quant_method": method} | json.loads(path.read_text())
+                break
     if qc is None:
         return None
     method = str(qc.get("quant_method", "")).lower()
