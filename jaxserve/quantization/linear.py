@@ -1,8 +1,9 @@
 """`y = x @ W` with a `QuantizedWeight`, three ways, and which way each backend takes.
 
-1. `weight_only`: the codes convert to x's dtype inside the matmul's fusion and the per-channel scales
-   multiply the product's columns (per-block scales: one partial product per block, scaled, summed),
-   so no dequantized W is ever stored. Zero points come off as (row sums of x) x (zeros x scales).
+1. `weight_only`: the codes convert to x's dtype as the matmul's operand (fused into it on GPU / TPU;
+   XLA:CPU materializes it each step) and the per-channel scales multiply the product's columns
+   (per-block scales: one partial product per block, scaled, summed), so no dequantized W is kept.
+   Zero points come off as (row sums of x) x (zeros x scales).
 2. `dynamic_int8`: each row of x is quantized on the fly (scale = row absmax / 127, round half to even,
    as vLLM's and compressed-tensors' per-token activation quantization), an int8 x int8 dot accumulates in
    int32 (`preferred_element_type`), and the result is scaled by row scale x column scale. The integer

@@ -10,7 +10,7 @@
 3. `dequantize_weight` is the definition every linear strategy (`linear.py`) and every checkpoint reader
    (`checkpoints.py`) is tested against.
 Int4 codes live in JAX's own 4-bit types (`int4`, `uint4` with zeros), which XLA stores two to a byte on
-CPU, GPU and TPU and converts inside the consuming fusion, so no hand-written nibble unpacking runs in a
+CPU, GPU and TPU and converts with an ordinary `astype`, so no hand-written nibble unpacking runs in a
 step (see docs/quantization.md).
 """
 
