@@ -11,11 +11,14 @@ Run from the repository root on the GPU machine (installs nothing; not yet timed
 
 1. Correctness: the kernel against `ragged_paged_attention_reference`, float32 and bfloat16, on shuffled pages
    with ragged mixes (decodes, first prefill chunks, chunks over a cached prefix, padding sequences and
-   padding rows, lengths 1 and page boundaries), plain and with soft_cap + sliding_window.
+   padding rows, lengths 1 and page boundaries), plain and with soft_cap + sliding_window; and bfloat16
+   queries over int8 and fp8 KV pages (per-token scales, `pallas_kernels/kv_quant.py`) against the
+   reference over the same quantized pages.
 2. Decode: batch 64 x context 2048 (one row per sequence), 32 query / 8 KV heads, head_dim 128, bf16, page
    sizes 16/32/64 and a few key-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over
    time) and its ratio to a device-to-device copy of a buffer the size of K+V measured in the same run
-   (copy GB/s = read + write).
+   (copy GB/s = read + write). Then int8 and fp8 pages at the default key block: their bytes (codes plus
+   4-byte scales) over time, and their speed-up over bf16 pages.
 3. Prefill: one 2048-token first chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
 4. Mixed: 60 decodes plus one 512-token chunk over a 512-token cached prefix in one ragged call, against the
    same decodes and the same chunk as two separate calls (the unified kernel should cost about their sum).
@@ -65,6 +68,7 @@ import gpu_common  # noqa: E402
 import gpu_engine_step  # noqa: E402
 from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa: E402
 from pallas_kernels import ragged_gpu  # noqa: E402
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels.testing import random_ragged_case  # noqa: E402
 
@@ -114,6 +118,22 @@ def run_checks(results: list) -> None:
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
                 record_check(results, name, got, want, dtype, padding_zero)
             except Exception as e:  # keep going: one broken case must not hide the others' results
+                results.append(dict(check=name, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+                traceback.print_exc()
+        for kv_dtype in KV_CACHE_DTYPES:
+            name = f"ragged bfloat16 over {kv_dtype} pages {setup['name']}"
+            try:
+                k, k_scales = quantize_kv_tokens(jnp.asarray(case.paged.k_pages), KV_CACHE_DTYPES[kv_dtype])
+                v, v_scales = quantize_kv_tokens(jnp.asarray(case.paged.v_pages), KV_CACHE_DTYPES[kv_dtype])
+                args = (jnp.asarray(case.q, "bfloat16"), k, v, jnp.asarray(case.kv_lens),
+                        jnp.asarray(case.paged.page_tables), jnp.asarray(case.cu_q_lens))
+                opts = dict(sm_scale=setup["d"] ** -0.5, k_scales=k_scales, v_scales=v_scales, **setup["opts"])
+                got = kernel(*args, **opts)
+                with jax.default_matmul_precision("highest"):
+                    want = ragged_paged_attention_reference(*args, **opts)
+                padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
+                record_check(results, name, got, want, "bfloat16", padding_zero)
+            except Exception as e:
                 results.append(dict(check=name, ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
                 traceback.print_exc()
 
@@ -178,6 +198,20 @@ def run_decode(args, rows: list) -> None:
             return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
 
         guarded(rows, "decode reference", f"pages={page_size}", reference)
+
+        for kv_dtype, page_dtype in KV_CACHE_DTYPES.items():
+            def quantized(batch=batch, kv_dtype=kv_dtype, page_dtype=page_dtype):
+                q, k_pages, v_pages, *rest = batch
+                (k, k_scales), (v, v_scales) = (quantize_kv_tokens(p, page_dtype) for p in (k_pages, v_pages))
+                t = timed_kernel((q, k, v, *rest), k_scales=k_scales, v_scales=v_scales)
+                base = timed_kernel(batch)
+                read = 2 * b * KVH * ctx * (D + 4) + qo_bytes  # 1-byte codes + a float32 scale per token-head
+                gbs = read / t / 1e9
+                print(f"  decode {kv_dtype} pages={page_size}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s, "
+                      f"{base / t:.2f}x bf16 pages", flush=True)
+                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs, speedup_vs_bf16=base / t)
+
+            guarded(rows, f"decode kernel {kv_dtype} pages", f"pages={page_size}", quantized)
         del batch
 
 

@@ -80,27 +80,34 @@ def tpu_interpret_params(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
-def block_scores(q: jax.Array, k: jax.Array, *, sm_scale: float, soft_cap: float | None, precision) -> jax.Array:
-    """q [rows, D] against a key block k [block_k, D] -> float32 scores [rows, block_k], scaled and capped."""
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * sm_scale
+def block_scores(q: jax.Array, k: jax.Array, *, sm_scale: float, soft_cap: float | None, precision,
+                 k_scale: jax.Array | None = None) -> jax.Array:
+    """q [rows, D] against a key block k [block_k, D] -> float32 scores [rows, block_k], scaled and capped.
+
+    Quantized pages: k holds the codes (already in q's dtype, an exact conversion) and k_scale [1, block_k]
+    each key's scale, applied to the dot's result before the soft cap, which sees the true score.
+    """
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    s = s * (sm_scale if k_scale is None else k_scale * sm_scale)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     return s
 
 
-def online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision):
+def online_softmax_step(acc, m_prev, l_prev, s, valid, v, precision, v_scale: jax.Array | None = None):
     """Fold one key block into the running softmax: acc [rows, D], max m and sum l [rows, 1] (float32).
 
     Masked keys get weight exactly 0 rather than exp(MASK - m): a row can meet a block it sees none of
     (window start, causal edge, a row of another sequence sharing the tile), and that block must leave
-    its state unchanged.
+    its state unchanged. Quantized pages: v holds the codes and v_scale [1, block_k] their scales, folded
+    into the weights of the value sum (the softmax sum l counts the unscaled weights).
     """
     s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next), 0.0)
     l_next = alpha * l_prev + p.sum(axis=1, keepdims=True)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    weights = p if v_scale is None else p * v_scale
+    pv = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
     return acc * alpha + pv, m_next, l_next

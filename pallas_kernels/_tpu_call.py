@@ -10,11 +10,14 @@
    it likes (`attend_paged_blocks`, one per sequence whose rows share the query block, each masking
    the rows that are not its own), and normalises once at the end (`normalised_output`).
 The double-buffered DMA protocol (start block i+1, wait for block i, compute) lives here once.
+Quantized pages (`kv_quant.py`) add two HBM operands, the per-token scales, and two VMEM buffers: each
+page's scales travel with its codes (same semaphore, own wait), so a block costs a quarter (int8 / fp8
+against float32) of the bytes plus 4 per key and head.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._paged_common import MASK_VALUE, block_scores, online_softmax_step, tpu_interpret_params
+
+
+class PagedRefs(NamedTuple):
+    """One layer's K/V in HBM (`[num_kv_heads, num_pages, page_size, head_dim]`, scales without head_dim),
+    or their VMEM double buffers (`[2, pages_per_block, page_size(, head_dim)]`); scales None for float pages."""
+    k: object
+    v: object
+    k_scales: object = None
+    v_scales: object = None
+
+
+def split_kernel_refs(refs, quantized: bool):
+    """The refs after the query block, in `paged_flash_call`'s order -> (hbm, o_ref, bufs, sems, m, l, acc).
+
+    Order: k, v HBM, [k_scales, v_scales HBM], o, k, v buffers, sems, m, l, acc, [k_scales, v_scales
+    buffers]. m and l are [rows, 1] and acc [rows, head_dim] float32; sems is DMA [2 (k, v), 2 (slot)].
+    """
+    n = 2 if quantized else 0
+    hbm = PagedRefs(*refs[:2 + n])
+    o_ref, k_buf, v_buf, sems, m_ref, l_ref, acc_ref = refs[2 + n:9 + n]
+    bufs = PagedRefs(k_buf, v_buf, *refs[9 + n:])
+    return hbm, o_ref, bufs, sems, m_ref, l_ref, acc_ref
 
 
 def init_softmax_state(m_ref, l_ref, acc_ref) -> None:
@@ -37,7 +62,7 @@ def normalised_output(l_ref, acc_ref) -> jax.Array:
     return acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
-def attend_paged_blocks(q: jax.Array, page_id: Callable, k_hbm_ref, v_hbm_ref, k_buf, v_buf, sems, m_ref, l_ref,
+def attend_paged_blocks(q: jax.Array, page_id: Callable, hbm: PagedRefs, bufs: PagedRefs, sems, m_ref, l_ref,
                         acc_ref, *, kv_head, start_blk, num_iters, mask: Callable, sm_scale: float,
                         soft_cap: float | None, precision) -> None:
     """Fold key blocks start_blk .. start_blk + num_iters - 1 of one sequence into the running softmax of
@@ -47,15 +72,20 @@ def attend_paged_blocks(q: jax.Array, page_id: Callable, k_hbm_ref, v_hbm_ref, k
     [rows, block_k] keys each row may see in block `blk` (all False for rows of other sequences). Every
     copy started here is waited for here, so consecutive calls never share a DMA in flight.
     """
-    _, pages_per_block, page_size, head_dim = k_buf.shape
+    _, pages_per_block, page_size, head_dim = bufs.k.shape
     block_k = pages_per_block * page_size
+    quantized = bufs.k_scales is not None
+    # Which HBM array goes to which buffer on which semaphore row: a page's scales share its codes' row.
+    streams = [(hbm.k, bufs.k, 0), (hbm.v, bufs.v, 1)]
+    if quantized:
+        streams += [(hbm.k_scales, bufs.k_scales, 0), (hbm.v_scales, bufs.v_scales, 1)]
 
     def copies(blk, slot):
         out = []
         for j in range(pages_per_block):
             page = page_id(blk * pages_per_block + j)
-            out.append(pltpu.make_async_copy(k_hbm_ref.at[kv_head, page], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm_ref.at[kv_head, page], v_buf.at[slot, j], sems.at[1, slot]))
+            for src, dst, sem in streams:
+                out.append(pltpu.make_async_copy(src.at[kv_head, page], dst.at[slot, j], sems.at[sem, slot]))
         return out
 
     @pl.when(num_iters > 0)
@@ -74,30 +104,39 @@ def attend_paged_blocks(q: jax.Array, page_id: Callable, k_hbm_ref, v_hbm_ref, k
 
         for c in copies(blk, slot):
             c.wait()
-        k = k_buf[slot].reshape(block_k, head_dim)
-        v = v_buf[slot].reshape(block_k, head_dim)
-        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        k = bufs.k[slot].reshape(block_k, head_dim)
+        v = bufs.v[slot].reshape(block_k, head_dim)
+        k_scale = v_scale = None
+        if quantized:  # codes -> q's dtype is exact; the scales multiply scores and value weights
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k_scale = bufs.k_scales[slot].reshape(1, block_k)
+            v_scale = bufs.v_scales[slot].reshape(1, block_k)
+        s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision, k_scale=k_scale)
         acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s,
-                                                                   mask(blk), v, precision)
+                                                                   mask(blk), v, precision, v_scale)
         return carry
 
     lax.fori_loop(0, num_iters, body, 0)
 
 
-def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, k_pages: jax.Array,
-                     v_pages: jax.Array, *, grid: tuple[int, int], q_spec: pl.BlockSpec, rows: int,
-                     pages_per_block: int, name: str, interpret) -> jax.Array:
-    """pallas_call of `kernel(*scalar_refs, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sems, m, l, acc)`."""
-    _, _, page_size, head_dim = k_pages.shape
-    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, kv: PagedRefs, *,
+                     grid: tuple[int, int], q_spec: pl.BlockSpec, rows: int, pages_per_block: int, name: str,
+                     interpret) -> jax.Array:
+    """pallas_call of `kernel(*scalar_refs, q_ref, *refs)`, refs as `split_kernel_refs` unpacks them, over
+    the cache arrays `kv` (scales None for float pages)."""
+    _, _, page_size, head_dim = kv.k.shape
+    quantized = kv.k_scales is not None
+    operands = kv if quantized else kv[:2]
+    buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype)
+    scale_bufs = [pltpu.VMEM((2, pages_per_block, page_size), kv.k_scales.dtype)] * 2 if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=grid,
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
         out_specs=q_spec,
         scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
                         pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, head_dim), jnp.float32)],
+                        pltpu.VMEM((rows, head_dim), jnp.float32), *scale_bufs],
     )
     return pl.pallas_call(
         kernel,
@@ -106,4 +145,4 @@ def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, k_pa
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret_params(interpret),
         name=name,
-    )(*scalars, q4, k_pages, v_pages)
+    )(*scalars, q4, *operands)

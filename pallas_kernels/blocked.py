@@ -12,7 +12,9 @@ on device from the batch's real lengths, so a step costs what its sequences hold
    over the windows (however many the batch has) runs, per window, a loop over that sequence's key
    blocks up to the causal edge of its last row (and from the sliding window's start), so a block of keys
    is gathered once for a whole window of queries. Results go back into the window's rows only.
-Padding rows are never written and stay zero. All math is float32.
+Padding rows are never written and stay zero. All math is float32. Quantized pages (`kv_quant.py`): each
+gathered block is converted from its codes and the per-key scales multiply the scores and the value
+weights, so no float copy of the cache is ever made.
 """
 
 from __future__ import annotations
@@ -26,23 +28,25 @@ from jax import lax
 from pallas_kernels.reference import MASK_VALUE, check_ragged_args
 
 
-def _attend_block(carry, q, k, v, valid, *, spec: str, sm_scale, soft_cap):
+def _attend_block(carry, q, k, v, valid, *, spec: str, sm_scale, soft_cap, k_scale=None, v_scale=None):
     """Fold one key block into the running softmax (acc [..., D], max m and sum l [..., 1], float32).
 
     `spec` names q's and k's axes for einsum ("skgd,skld" or "kwgd,kld"): the scores are q's axes with
-    d replaced by the key axis l; `valid` broadcasts against them.
+    d replaced by the key axis l; `valid` broadcasts against them, and so do the per-key scales of
+    quantized pages (k and v then hold the codes, see `kv_quant`).
     """
     acc, m, l = carry
     q_axes, k_axes = spec.split(",")
     s_axes = q_axes[:-1] + "l"
-    s = jnp.einsum(f"{spec}->{s_axes}", q, k) * sm_scale
+    s = jnp.einsum(f"{spec}->{s_axes}", q, k)
+    s = s * (sm_scale if k_scale is None else k_scale * sm_scale)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(valid, s, MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next), 0.0)  # a row that sees nothing here stays unchanged
-    pv = jnp.einsum(f"{s_axes},{k_axes}->{q_axes}", p, v)
+    pv = jnp.einsum(f"{s_axes},{k_axes}->{q_axes}", p if v_scale is None else p * v_scale, v)
     return acc * alpha + pv, m_next, l * alpha + p.sum(-1, keepdims=True)
 
 
@@ -55,9 +59,19 @@ def _finish(acc, l):
     return acc / jnp.where(l > 0, l, 1.0)
 
 
-def _decode_rows(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, sm_scale, soft_cap, sliding_window):
+def _gather_block(pages, scales, ids, shape, scale_axes):
+    """One key block of `pages` at page ids `ids` as float32 `shape`, and for quantized pages its scales
+    [..., block_k] expanded at `scale_axes` to broadcast against the scores (None for float pages)."""
+    block = pages[:, ids].reshape(shape).astype(jnp.float32)
+    if scales is None:
+        return block, None
+    return block, jnp.expand_dims(scales[:, ids].reshape(shape[:-1]), scale_axes)
+
+
+def _decode_rows(q, kv, kv_lens, tables, cu_q_lens, *, ppb, sm_scale, soft_cap, sliding_window):
     """Rows of sequences with exactly one query: [num_seqs, H, D] results and their row indices."""
     scoring = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+    k_pages, v_pages, k_scales, v_scales = kv
     num_seqs = kv_lens.shape[0]
     kvh, _, page_size, head_dim = k_pages.shape
     block_k = ppb * page_size
@@ -72,11 +86,13 @@ def _decode_rows(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, sm_sca
 
     def body(blk, carry):
         ids = lax.dynamic_slice_in_dim(tables, blk * ppb, ppb, axis=1)  # [S, ppb]
-        k = k_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).astype(jnp.float32)
-        v = v_pages[:, ids].reshape(kvh, num_seqs, block_k, head_dim).astype(jnp.float32)
+        shape = (kvh, num_seqs, block_k, head_dim)
+        k, k_scale = _gather_block(k_pages, k_scales, ids, shape, 2)
+        v, v_scale = _gather_block(v_pages, v_scales, ids, shape, 2)
         pos = blk * block_k + jnp.arange(block_k)
         valid = (pos[None] < lens[:, None]) & (pos[None] >= first_key[:, None])  # [S, block_k]
-        return _attend_block(carry, qd, k, v, valid[None, :, None], spec="ksgd,ksld", **scoring)
+        return _attend_block(carry, qd, k, v, valid[None, :, None], spec="ksgd,ksld", k_scale=k_scale,
+                             v_scale=v_scale, **scoring)
 
     acc, _, l = lax.fori_loop(jnp.minimum(start_blk, end_blk), end_blk, body,
                               _init(qd.shape[:3], head_dim))
@@ -84,10 +100,10 @@ def _decode_rows(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, sm_sca
     return out, jnp.where(q_len == 1, row, q.shape[0])  # out-of-range index: dropped by the scatter
 
 
-def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale, soft_cap,
-                sliding_window):
+def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale, soft_cap, sliding_window):
     """Rows of sequences with several queries, a window of `window` rows of one sequence at a time."""
     scoring = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+    k_pages, v_pages, k_scales, v_scales = kv
     tokens, num_heads, _ = q.shape
     kvh, _, page_size, head_dim = k_pages.shape
     block_k = ppb * page_size
@@ -111,13 +127,14 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, wi
 
         def body(blk, carry):
             ids = lax.dynamic_slice_in_dim(table, blk * ppb, ppb)
-            k = k_pages[:, ids].reshape(kvh, block_k, head_dim).astype(jnp.float32)
-            v = v_pages[:, ids].reshape(kvh, block_k, head_dim).astype(jnp.float32)
+            k, k_scale = _gather_block(k_pages, k_scales, ids, (kvh, block_k, head_dim), (1, 2))
+            v, v_scale = _gather_block(v_pages, v_scales, ids, (kvh, block_k, head_dim), (1, 2))
             k_pos = blk * block_k + jnp.arange(block_k)
             valid = mine[:, None] & (k_pos[None] <= q_pos[:, None])  # [W, block_k]
             if sliding_window is not None:
                 valid &= q_pos[:, None] - k_pos[None] < sliding_window
-            return _attend_block(carry, qw, k, v, valid[None, :, None], spec="kwgd,kld", **scoring)
+            return _attend_block(carry, qw, k, v, valid[None, :, None], spec="kwgd,kld", k_scale=k_scale,
+                                 v_scale=v_scale, **scoring)
 
         last_pos = end_row - 1 + offset
         acc, _, l = lax.fori_loop(first_key // block_k, last_pos // block_k + 1, body,
@@ -134,18 +151,20 @@ def _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, cu_q_lens, *, ppb, wi
 def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                                    page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                    soft_cap: float | None = None, sliding_window: int | None = None,
-                                   pages_per_block: int | None = None, query_window: int = 32) -> jax.Array:
+                                   pages_per_block: int | None = None, query_window: int = 32,
+                                   k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
     """Blocked jnp ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
-      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window: as for
-        `ragged_paged_attention_reference`.
+      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window, k_scales,
+        v_scales: as for `ragged_paged_attention_reference`.
       pages_per_block: pages per key block (static; default: about 64 keys).
       query_window: query rows of one prefill sequence handled together (static; capped at the tokens).
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
-    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
+                      k_scales, v_scales)
     page_size = k_pages.shape[2]
     ppb = pages_per_block or max(1, 64 // page_size)
     max_pages = page_tables.shape[1]
@@ -156,7 +175,8 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
-    rows_out, rows = _decode_rows(q, k_pages, v_pages, kv_lens, tables, cu_q_lens, ppb=ppb, **common)
+    kv = (k_pages, v_pages, k_scales, v_scales)
+    rows_out, rows = _decode_rows(q, kv, kv_lens, tables, cu_q_lens, ppb=ppb, **common)
     out = jnp.zeros(q.shape, q.dtype).at[rows].set(rows_out.astype(q.dtype), mode="drop")
-    return _chunk_rows(out, q, k_pages, v_pages, kv_lens, tables, cu_q_lens, ppb=ppb,
+    return _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, ppb=ppb,
                        window=min(query_window, q.shape[0]), **common)

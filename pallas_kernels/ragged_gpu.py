@@ -13,6 +13,9 @@
 4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
    sequence's rows, which another program owns). Padding rows (from cu_q_lens[-1] on) belong to no item;
    the wrapper zeroes them.
+Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
+`[num_pages, page_size]` operand per KV head each for K and V), converted to q's dtype in registers, and
+the scales folded into the scores and the value weights.
 
 The default tile is 32 rows (block_q = 32 // G_pad tokens, at least one; 16 rows is tl.dot's minimum):
 a decode item fills only G_pad of them, but decode is bound by K/V bytes, not by the dot, while a prefill
@@ -54,9 +57,11 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    q_ref,  # [T_pad, group_pad, head_dim] this KV head's queries, every row
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
-                   o_ref,  # [T_pad, group_pad, head_dim] (only this item's rows are written)
-                   *, sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
-                   pages_per_block: int, max_pages: int, precision):
+                   *refs,  # quantized pages: k_scales_ref, v_scales_ref [num_pages, page_size] float32; then
+                   #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written)
+                   sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
+                   pages_per_block: int, max_pages: int, precision, quantized: bool):
+    k_scales_ref, v_scales_ref, o_ref = refs if quantized else (None, None, *refs)
     _, group, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -87,7 +92,12 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             page_ids = page_tables_ref[pl.ds(seq * max_pages + blk * pages_per_block, pages_per_block)]
             k = k_ref[page_ids].reshape(block_k, head_dim)
             v = v_ref[page_ids].reshape(block_k, head_dim)
-            s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+            k_scale = v_scale = None
+            if quantized:  # codes -> q's dtype is exact; the scales multiply scores and value weights
+                k, v = k.astype(q.dtype), v.astype(q.dtype)
+                k_scale = k_scales_ref[page_ids].reshape(1, block_k)
+                v_scale = v_scales_ref[page_ids].reshape(1, block_k)
+            s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision, k_scale=k_scale)
             k_pos = lax.broadcast_in_dim(blk * block_k + jnp.arange(block_k, dtype=jnp.int32), (rows, block_k),
                                          (1,))
             # Causal; k_pos < kv_len follows for the rows that get stored (q_pos < kv_len). Rows past
@@ -95,7 +105,7 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             valid = k_pos <= q_pos
             if sliding_window is not None:
                 valid = valid & (q_pos - k_pos < sliding_window)
-            return online_softmax_step(*carry, s, valid, v, precision)
+            return online_softmax_step(*carry, s, valid, v, precision, v_scale)
 
         init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
                 jnp.zeros((rows, 1), jnp.float32))
@@ -106,28 +116,30 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
         plgpu.store(o_ref.at[pl.ds(first_row, block_q)], out, mask=store_mask)
 
 
-def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, k_pages, v_pages, *, max_pages, sm_scale, soft_cap,
-                 sliding_window, block_q, pages_per_block, num_warps, num_stages, interpret):
+def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, sm_scale, soft_cap, sliding_window,
+                 block_q, pages_per_block, num_warps, num_stages, interpret):
     item_seq, item_row = items
     t_pad, num_kv_heads, group, head_dim = q4.shape
-    _, num_pages, page_size, _ = k_pages.shape
+    kv = [a for a in kv if a is not None]  # k, v pages, then the scales of quantized pages
+    _, num_pages, page_size, _ = kv[0].shape
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
-                               max_pages=max_pages, precision=dot_precision(q4.dtype))
+                               max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4)
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
     kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h: (h, 0, 0))
     q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h: (0, h, 0, 0))
     return pl.pallas_call(
         kernel,
         grid=(item_seq.shape[0], num_kv_heads),
         in_specs=[whole(item_seq), whole(item_row), whole(kv_lens), whole(cu_q_lens), whole(tables_flat),
-                  q_spec, kv_spec, kv_spec],
+                  q_spec, kv_spec, kv_spec] + [scale_spec] * (len(kv) - 2),
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, k_pages, v_pages)
+    )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, *kv)
 
 
 def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.Array, jax.Array]:
@@ -150,12 +162,14 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                soft_cap: float | None = None, sliding_window: int | None = None,
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
                                num_warps: int | None = None, num_stages: int = 2,
-                               interpret: bool = False) -> jax.Array:
+                               interpret: bool = False, k_scales: jax.Array | None = None,
+                               v_scales: jax.Array | None = None) -> jax.Array:
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
-      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window: as in
-        `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static here).
+      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window, k_scales,
+        v_scales: as in `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static
+        here; quantized pages are gathered as codes, their scales beside them).
       block_q: query tokens per program (a power of 2; default: 32 rows of block_q x group, at least 16).
       pages_per_compute_block: pages per key block (default: ~128 keys, 64 for f32; at least 16 keys).
       num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).
@@ -163,7 +177,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
-    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
+                      k_scales, v_scales)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs = page_tables.shape[0]
@@ -193,7 +208,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     num_items = max(1, -(-tokens // block_q) + min(num_seqs, tokens))
     tables = pad_page_table(page_tables, ppb)
     out = _ragged_call(work_items(cu_q_lens, block_q, num_items), kv_lens, cu_q_lens, tables.reshape(-1), q4,
-                       k_pages, v_pages, max_pages=tables.shape[1], sm_scale=float(sm_scale),
+                       (k_pages, v_pages, k_scales, v_scales), max_pages=tables.shape[1], sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,
                        interpret=interpret)

@@ -38,7 +38,14 @@ from pallas_kernels._paged_common import (
     pick_pages_per_block,
     round_up,
 )
-from pallas_kernels._tpu_call import attend_paged_blocks, init_softmax_state, normalised_output, paged_flash_call
+from pallas_kernels._tpu_call import (
+    PagedRefs,
+    attend_paged_blocks,
+    init_softmax_state,
+    normalised_output,
+    paged_flash_call,
+    split_kernel_refs,
+)
 
 MIN_BLOCK_Q = 16  # a bf16 sublane tile, so [G, block_q, D] -> [G * block_q, D] is layout-free
 DEFAULT_ROWS = 128  # query rows (group x tokens) per grid step; see the module docstring
@@ -49,20 +56,14 @@ def _ragged_kernel(kv_lens_ref,  # [num_seqs] int32 (SMEM, scalar prefetch)
                    page_tables_ref,  # [num_seqs * max_pages_padded] int32 (SMEM)
                    block_seqs_ref,  # [2 * num_q_blocks] int32 (SMEM): first, end sequence per query block
                    q_ref,  # [group, block_q, head_dim] (VMEM block) queries of one KV group
-                   k_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
-                   v_hbm_ref,  # [num_kv_heads, num_pages, page_size, head_dim] (HBM)
-                   o_ref,  # [group, block_q, head_dim] (VMEM block)
-                   k_buf,  # [2, pages_per_block, page_size, head_dim] VMEM double buffer
-                   v_buf,  # [2, pages_per_block, page_size, head_dim]
-                   sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
-                   m_ref,  # [group * block_q, 1] f32 running max
-                   l_ref,  # [group * block_q, 1] f32 running denominator
-                   acc_ref,  # [group * block_q, head_dim] f32 running numerator
-                   *, sm_scale: float, soft_cap: float | None, sliding_window: int | None,
-                   pages_per_block: int, max_pages: int, precision):
+                   *refs,  # K/V (and scales) in HBM, o_ref [group, block_q, head_dim], VMEM scratch: see
+                   #         `split_kernel_refs`; m, l [group * block_q, 1], acc [group * block_q, head_dim]
+                   sm_scale: float, soft_cap: float | None, sliding_window: int | None,
+                   pages_per_block: int, max_pages: int, precision, quantized: bool):
+    hbm, o_ref, bufs, sems, m_ref, l_ref, acc_ref = split_kernel_refs(refs, quantized)
     h, qb = pl.program_id(0), pl.program_id(1)
     group, block_q, head_dim = q_ref.shape
-    page_size = k_buf.shape[2]
+    page_size = bufs.k.shape[2]
     block_k = pages_per_block * page_size
     rows = group * block_q
     block_start = qb * block_q
@@ -92,23 +93,24 @@ def _ragged_kernel(kv_lens_ref,  # [num_seqs] int32 (SMEM, scalar prefetch)
                 valid = valid & (q_pos - k_pos < sliding_window)
             return valid
 
-        attend_paged_blocks(q, lambda i: page_tables_ref[s * max_pages + i], k_hbm_ref, v_hbm_ref, k_buf, v_buf,
-                            sems, m_ref, l_ref, acc_ref, kv_head=h, start_blk=start_blk, num_iters=num_iters,
-                            mask=mask, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
+        attend_paged_blocks(q, lambda i: page_tables_ref[s * max_pages + i], hbm, bufs, sems, m_ref, l_ref,
+                            acc_ref, kv_head=h, start_blk=start_blk, num_iters=num_iters, mask=mask,
+                            sm_scale=sm_scale, soft_cap=soft_cap, precision=precision)
         return carry
 
     lax.fori_loop(block_seqs_ref[2 * qb], block_seqs_ref[2 * qb + 1], one_sequence, 0)
     o_ref[...] = normalised_output(l_ref, acc_ref).reshape(group, block_q, head_dim).astype(o_ref.dtype)
 
 
-def _ragged_call(scalars, q4, k_pages, v_pages, *, max_pages, sm_scale, soft_cap, sliding_window, block_q,
+def _ragged_call(scalars, q4, kv: PagedRefs, *, max_pages, sm_scale, soft_cap, sliding_window, block_q,
                  pages_per_block, interpret):
     num_kv_heads, group, t_pad, head_dim = q4.shape
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, pages_per_block=pages_per_block,
-                               max_pages=max_pages, precision=dot_precision(q4.dtype))
+                               max_pages=max_pages, precision=dot_precision(q4.dtype),
+                               quantized=kv.k_scales is not None)
     q_spec = pl.BlockSpec((None, group, block_q, head_dim), lambda h, i, *_: (h, 0, i, 0))
-    return paged_flash_call(kernel, scalars, q4, k_pages, v_pages, grid=(num_kv_heads, t_pad // block_q),
+    return paged_flash_call(kernel, scalars, q4, kv, grid=(num_kv_heads, t_pad // block_q),
                             q_spec=q_spec, rows=group * block_q, pages_per_block=pages_per_block,
                             name="ragged_paged_attention_mosaic", interpret=interpret)
 
@@ -128,12 +130,14 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                soft_cap: float | None = None, sliding_window: int | None = None,
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
-                               interpret: bool | pltpu.InterpretParams = False) -> jax.Array:
+                               interpret: bool | pltpu.InterpretParams = False, k_scales: jax.Array | None = None,
+                               v_scales: jax.Array | None = None) -> jax.Array:
     """Mosaic (TPU) ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
-      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window: as in
-        `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static here).
+      q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window, k_scales,
+        v_scales: as in `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static
+        here; quantized pages are DMA'd as codes with their scales beside them).
       block_q: query tokens per grid step (power of 2, >= 16; default: ~128 rows of group x block_q).
       pages_per_compute_block: pages DMA'd per loop step (default: ~128 keys).
       interpret: True (or a `pltpu.InterpretParams`, e.g. with detect_races=True) runs under TPU
@@ -141,7 +145,8 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
-    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
+                      k_scales, v_scales)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -158,7 +163,7 @@ def ragged_paged_attention_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     tables = pad_page_table(page_tables, ppb)
     scalars = (kv_lens.astype(jnp.int32), cu_q_lens, tables.reshape(-1),
                block_sequences(cu_q_lens, block_q, t_pad // block_q))
-    out = _ragged_call(scalars, q4, k_pages, v_pages, max_pages=tables.shape[1], sm_scale=float(sm_scale),
+    out = _ragged_call(scalars, q4, PagedRefs(k_pages, v_pages, k_scales, v_scales), max_pages=tables.shape[1], sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, interpret=interpret)
     return out[:, :, :tokens].transpose(2, 0, 1, 3).reshape(tokens, num_heads, head_dim)

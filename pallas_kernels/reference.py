@@ -13,12 +13,16 @@ sequences have none, and rows from `cu_q_lens[-1]` on are padding tokens.
 This version is written to be obviously right, not fast: every query row gathers its sequence's whole
 page-table row into a dense `[kv_heads, max_pages * page_size, head_dim]` view and runs an ordinary
 masked softmax in float32. `blocked.py` is the efficient jnp implementation the CPU serves with.
+Quantized pages (int8 / fp8 with per-token scales, `kv_quant.py`) are dequantized right in that gathered
+view: here the definition of correct, where the other implementations fold the scales into the math.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.kv_quant import check_kv_scales, dequantize_kv
 
 # Finite, so a fully masked row (a padding token) gives zeros instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -40,11 +44,13 @@ def validate_paged_inputs(q_heads: int, head_dim: int, k_pages: jax.Array, v_pag
         raise ValueError(f"page tables must be an integer array, got {page_table.dtype}")
 
 
-def check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window) -> None:
+def check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
+                      k_scales=None, v_scales=None) -> None:
     """The ragged contract's shape and option checks (ValueError naming the input)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {q.shape}")
     validate_paged_inputs(q.shape[1], q.shape[2], k_pages, v_pages, page_tables)
+    check_kv_scales(k_pages, v_pages, k_scales, v_scales)
     if page_tables.ndim != 2:
         raise ValueError(f"page_tables must be [num_seqs, max_pages], got {page_tables.shape}")
     num_seqs = page_tables.shape[0]
@@ -76,7 +82,8 @@ def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> t
 def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                                      page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                      soft_cap: float | None = None,
-                                     sliding_window: int | None = None) -> jax.Array:
+                                     sliding_window: int | None = None, k_scales: jax.Array | None = None,
+                                     v_scales: jax.Array | None = None) -> jax.Array:
     """Attention of a ragged batch of new tokens over each one's own sequence in the paged cache.
 
     Args:
@@ -90,19 +97,27 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
       sm_scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: optional logit soft-capping value (cap * tanh(s / cap)).
       sliding_window: optional window; a token at q_pos attends to keys with q_pos - k_pos < window.
+      k_scales, v_scales: [num_kv_heads, num_pages, page_size] float32 scales of int8 / float8_e4m3fn pages
+        (one per token and KV head, see `kv_quant`), or None (the default) for float pages.
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
-    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window)
+    check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
+                      k_scales, v_scales)
     tokens, num_heads, head_dim = q.shape
     kvh, _, page_size, _ = k_pages.shape
     seq, pos, real = token_layout(cu_q_lens, kv_lens, tokens)
     kv_pos = jnp.arange(page_tables.shape[1] * page_size)
 
+    def gather(pages, scales, table):  # the row's pages as dense float32 [kvh, L, head_dim], dequantized
+        dense = pages[:, table].reshape(kvh, -1, head_dim)
+        if scales is None:
+            return dense.astype(jnp.float32)
+        return dequantize_kv(dense, scales[:, table].reshape(kvh, -1))
+
     def one_row(q_t, seq_t, pos_t, real_t):
         table = page_tables[seq_t]
-        k = k_pages[:, table].reshape(kvh, -1, head_dim).astype(jnp.float32)
-        v = v_pages[:, table].reshape(kvh, -1, head_dim).astype(jnp.float32)
+        k, v = gather(k_pages, k_scales, table), gather(v_pages, v_scales, table)
         visible = real_t & (kv_pos <= pos_t) & (kv_pos < kv_lens[seq_t])
         if sliding_window is not None:
             visible &= pos_t - kv_pos < sliding_window

@@ -5,6 +5,7 @@
    dense tokens into them; the rest of its page-table row points at the null page.
 3. Keep the dense K/V, so a test can check the paged answer against attention over the dense arrays
    (`dense_attention`), independently of how the reference gathers pages.
+4. `quantize_pages` turns float pages into int8 / fp8 codes with per-token scales (`kv_quant`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,17 @@ import dataclasses
 
 import numpy as np
 
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens
+
 # Kernel vs reference, keyed by dtype name: (atol, rtol). bf16 kernels round p to bf16 before p @ V.
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+# Attention over quantized pages vs over the float32 pages they came from, unit-variance K/V and queries
+# (docs/quantization.md): (max |diff|, RMS of diff) over real rows. About twice the largest error measured
+# over every case of the kernel sweeps (int8 0.025 / 0.005, fp8 0.12 / 0.018). An element's rounding error
+# is at most absmax / 254 for int8 (~0.014 at absmax 3.5) and |x| / 16 for e4m3 (3 mantissa bits), and an
+# output row is a convex combination of value rows, so a row that sees one key inherits its full error.
+KV_QUANT_TOLERANCES = {"int8": (0.05, 0.01), "fp8": (0.25, 0.04)}
 
 
 @dataclasses.dataclass
@@ -48,6 +58,14 @@ def random_paged_case(rng: np.random.Generator, tokens: list[int], *, num_kv_hea
             k_pages[:, page] = dense_k[i, :, j * page_size:(j + 1) * page_size]
             v_pages[:, page] = dense_v[i, :, j * page_size:(j + 1) * page_size]
     return PagedCase(k_pages, v_pages, page_tables, dense_k, dense_v)
+
+
+def quantize_pages(k_pages, v_pages, kv_dtype: str) -> tuple[tuple, dict]:
+    """Float pages -> ((k codes, v codes), {"k_scales", "v_scales"}) in the `kv_quant` format, every token of
+    every page (garbage included) quantized as the write side would have."""
+    dtype = KV_CACHE_DTYPES[kv_dtype]
+    (k, k_scales), (v, v_scales) = quantize_kv_tokens(k_pages, dtype), quantize_kv_tokens(v_pages, dtype)
+    return (k, v), {"k_scales": k_scales, "v_scales": v_scales}
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_len: int, *,

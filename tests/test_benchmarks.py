@@ -41,10 +41,12 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     out = capsys.readouterr().out
     table = out[out.index("\nchecks:"):]
     assert "ERROR" not in table and "FAIL" not in out
-    assert "checks: 8/8 ok" in table  # 6 kernel checks + the e2e greedy check in float32 and bfloat16
+    # 6 kernel checks, 6 over int8 / fp8 KV pages, and the e2e greedy check in float32 and bfloat16
+    assert "checks: 14/14 ok" in table
     lines = table.splitlines()
     for prefix in ("e2e model ", "e2e decode             1 seqs", "e2e decode             2 seqs",
-                   "e2e prefill ", "decode kernel ", "prefill kernel ", "mixed: one call "):
+                   "e2e prefill ", "decode kernel ", "decode kernel int8 pages", "decode kernel fp8 pages",
+                   "prefill kernel ", "mixed: one call "):
         assert any(line.startswith(prefix) for line in lines), prefix
 
     details = json.loads((tmp_path / "gpu_kernels.json").read_text())

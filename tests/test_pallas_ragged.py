@@ -4,6 +4,12 @@ jnp implementation against `ragged_paged_attention_reference`, and the reference
 Each case is one ragged step: a list of (q_len, kv_len) sequences whose dense K/V is scattered over shuffled
 pages of a pool filled with garbage, flat query rows, and padding rows after the last sequence. Grids stay
 tiny: interpret mode runs every grid step on the CPU.
+
+Quantized KV pages (int8 / fp8 codes with per-token scales) run every case of the sweep too: each
+implementation against the quantized reference (tight, as for float pages), one page dtype per
+(implementation, case) alternating so every implementation and every case meets both dtypes without
+doubling the interpret-mode runs; and the reference on quantized pages against float32 pages, within
+`KV_QUANT_TOLERANCES` (the quantization error itself, see docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -18,11 +24,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import kernels_for_platform, select_attention_backend
 from pallas_kernels.blocked import ragged_paged_attention_blocked
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 from pallas_kernels import ragged_gpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.testing import TOLERANCES, ragged_oracle, random_ragged_case
+from pallas_kernels.testing import (
+    KV_QUANT_TOLERANCES,
+    TOLERANCES,
+    quantize_pages,
+    ragged_oracle,
+    random_ragged_case,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +135,56 @@ def test_matches_reference(impl, case):
     _assert_padding_zero(got, ragged.cu_q_lens)
 
 
+KV_DTYPES = ("int8", "fp8")
+QUANT_GRID = [(impl, case, KV_DTYPES[(i + j) % 2]) for j, impl in enumerate(sorted(IMPLEMENTATIONS))
+              for i, case in enumerate(CASES)]
+_quantized_references: dict = {}
+
+
+def _setup_quantized(case: Case, kv_dtype: str):
+    """The case with its pages quantized (every page, garbage too) and the quantized reference's answer,
+    computed once per (case, dtype) and shared by the tests that need it."""
+    args, ragged = _setup(case)
+    (k, v), scales = quantize_pages(jnp.asarray(ragged.paged.k_pages), jnp.asarray(ragged.paged.v_pages), kv_dtype)
+    args = (args[0], k, v) + args[3:]
+    key = (case, kv_dtype)
+    if key not in _quantized_references:
+        _quantized_references[key] = ragged_paged_attention_reference(*args, **_options(case), **scales)
+    return args, scales, ragged, _quantized_references[key]
+
+
+@pytest.mark.parametrize("impl,case,kv_dtype", QUANT_GRID, ids=[f"{i}-{c.id}-{d}" for i, c, d in QUANT_GRID])
+def test_quantized_pages_match_quantized_reference(impl, case, kv_dtype):
+    args, scales, ragged, want = _setup_quantized(case, kv_dtype)
+    extra = SMALL_BLOCKS[impl] if case.blocks else {}
+    got = IMPLEMENTATIONS[impl](*args, **_options(case), **scales, **extra)
+    assert got.shape == args[0].shape and got.dtype == args[0].dtype
+    _assert_close(got, want, case.dtype)
+    _assert_padding_zero(got, ragged.cu_q_lens)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_quantized_pages_stay_close_to_float32_pages(case, kv_dtype):
+    """The quantization error itself: float32 queries over int8 / fp8 pages vs over the float32 pages."""
+    _, ragged = _setup(case)
+    k, v = jnp.asarray(ragged.paged.k_pages), jnp.asarray(ragged.paged.v_pages)
+    rest = (jnp.asarray(ragged.kv_lens), jnp.asarray(ragged.paged.page_tables), jnp.asarray(ragged.cu_q_lens))
+    q = jnp.asarray(ragged.q)
+    want = np.asarray(ragged_paged_attention_reference(q, k, v, *rest, **_options(case)))
+    codes, scales = quantize_pages(k, v, kv_dtype)
+    got = np.asarray(ragged_paged_attention_reference(q, *codes, *rest, **_options(case), **scales))
+    real = int(ragged.cu_q_lens[-1])
+    diff = (got - want)[:real]
+    max_tol, rms_tol = KV_QUANT_TOLERANCES[kv_dtype]
+    if real:
+        assert np.abs(diff).max() <= max_tol and np.sqrt(np.mean(diff ** 2)) <= rms_tol, (
+            f"{kv_dtype}: max {np.abs(diff).max():.4f} (<= {max_tol}), RMS {np.sqrt(np.mean(diff ** 2)):.4f} "
+            f"(<= {rms_tol})")
+        assert np.sqrt(np.mean(diff ** 2)) > 0, "quantized pages gave exactly the float answer: not quantized?"
+    _assert_padding_zero(got, ragged.cu_q_lens)
+
+
 def test_triton_result_does_not_depend_on_program_order(monkeypatch):
     """Interpret mode runs the programs in grid order, so a tile spilling into the next sequence's rows
     would be overwritten by the right values later; run the items last-first to catch an unmasked store."""
@@ -207,6 +270,8 @@ def _bad_inputs():
     lens = jnp.array([3, 4], jnp.int32)
     table = jnp.zeros((2, 3), jnp.int32)
     cu = jnp.array([0, 2, 6], jnp.int32)
+    kv8 = kv.astype(jnp.int8)
+    scales = jnp.ones(kv.shape[:3], jnp.float32)
     return [
         ("q must be", (q[0], kv, kv, lens, table, cu), {}),
         ("v_pages shape", (q, kv, kv[:, :5], lens, table, cu), {}),
@@ -221,6 +286,13 @@ def _bad_inputs():
         ("cu_q_lens must be an integer", (q, kv, kv, lens, table, cu.astype(jnp.float32)), {}),
         ("soft_cap", (q, kv, kv, lens, table, cu), {"soft_cap": -1.0}),
         ("sliding_window", (q, kv, kv, lens, table, cu), {"sliding_window": 0}),
+        ("need k_scales and v_scales", (q, kv8, kv8, lens, table, cu), {}),
+        ("come together", (q, kv8, kv8, lens, table, cu), {"k_scales": scales}),
+        ("with scales must be int8", (q, kv, kv, lens, table, cu), {"k_scales": scales, "v_scales": scales}),
+        ("k_scales must be \\[num_kv_heads", (q, kv8, kv8, lens, table, cu),
+         {"k_scales": scales[..., :4], "v_scales": scales}),
+        ("v_scales must be a float", (q, kv8, kv8, lens, table, cu),
+         {"k_scales": scales, "v_scales": scales.astype(jnp.int32)}),
     ]
 
 
@@ -257,9 +329,12 @@ def test_triton_shape_limits_outside_interpret_mode(what, head_dim, page_size, k
         ragged_paged_attention_gpu(*args, sm_scale=0.1, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+LOWERINGS = [("bfloat16", None), ("float32", None), ("bfloat16", "int8"), ("bfloat16", "fp8")]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", LOWERINGS, ids=[f"{d}-{k or 'float'}-pages" for d, k in LOWERINGS])
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_kernels_lower_for_real_hardware(platform, dtype):
+def test_kernels_lower_for_real_hardware(platform, dtype, kv_dtype):
     """Lower (not run) the non-interpret kernels for an abstract H200 / TPU v5e: this catches Triton's
     power-of-2 and Mosaic's block-shape rules on CPU. Triton->PTX and Mosaic's layout passes still need the
     hardware (benchmarks/gpu_kernels.py)."""
@@ -270,9 +345,12 @@ def test_kernels_lower_for_real_hardware(platform, dtype):
     kernel = ragged_paged_attention_gpu if platform == "cuda" else ragged_paged_attention_tpu
     shape = jax.ShapeDtypeStruct
     # A 96-token bucket over 6 sequences, 32 query / 8 KV heads, head_dim 128, 16-token pages.
-    args = (shape((96, 32, 128), dtype), shape((8, 65, 16, 128), dtype), shape((8, 65, 16, 128), dtype),
+    page_dtype = dtype if kv_dtype is None else KV_CACHE_DTYPES[kv_dtype]
+    args = (shape((96, 32, 128), dtype), shape((8, 65, 16, 128), page_dtype), shape((8, 65, 16, 128), page_dtype),
             shape((6,), jnp.int32), shape((6, 16), jnp.int32), shape((7,), jnp.int32))
-    fn = jax.jit(lambda *a: kernel(*a, sm_scale=0.088, soft_cap=30.0, sliding_window=100))
+    scales = () if kv_dtype is None else (shape((8, 65, 16), jnp.float32),) * 2
+    fn = jax.jit(lambda *a: kernel(*a[:6], sm_scale=0.088, soft_cap=30.0, sliding_window=100,
+                                   **dict(zip(("k_scales", "v_scales"), a[6:]))))
     with use_abstract_mesh(mesh):
-        text = fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        text = fn.trace(*args, *scales).lower(lowering_platforms=(platform,)).as_text()
     assert ("__gpu$xla.gpu.triton" in text) if platform == "cuda" else ("tpu_custom_call" in text)
