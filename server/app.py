@@ -36,11 +36,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, TokenTimer
-from jaxserve.engine import RequestOutput
+from jaxserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, TokenTimer
+from jaxserve.outputs import RequestOutput
 from jaxserve import __version__
-from jaxserve.sampling import InvalidParameter, SamplingParams
-from jaxserve.tokenizer import ChatTemplateError
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from jaxserve.text.chat_template import ChatTemplateError
 from server import playground
 from server.guards import RequestGuard
 from server.metrics import Metrics

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling import InvalidParameter, SamplingParams
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from jaxserve.sampling.grammar import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

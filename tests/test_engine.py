@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineArgs, SamplingParams
-from jaxserve.kv_cache import pages_needed
-from jaxserve.runner import CompilationEvents, ModelRunner
+from jaxserve.scheduling.pages import pages_needed
+from jaxserve.execution.runner import CompilationEvents, ModelRunner
 from tests.page_checks import assert_pages_released
 
 
@@ -265,7 +265,7 @@ def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
 
 def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
     # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
-    from jaxserve.scheduler import StepPlan
+    from jaxserve.scheduling.scheduler import StepPlan
     engine = stories_llm.engine
     assert CompilationEvents.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
     before = engine.compilations_since_warmup

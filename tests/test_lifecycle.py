@@ -23,7 +23,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 def start_server(stories_dir, tmp_path, *extra) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(stories_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--model", str(stories_dir),
                              "--port", str(port), "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
                              "--compilation-cache-dir", "", *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), start_new_session=True)
@@ -67,7 +67,7 @@ def test_defect7_sigterm_drains_streams_and_exits_0(stories_dir, tmp_path, grace
 
 def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monkeypatch):
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.runner import ModelRunner
+    from jaxserve.execution.runner import ModelRunner
     from server.options import ServerOptions
     from server.serve import serve
 

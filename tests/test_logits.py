@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.logits import ADD_BIAS, ALLOWED, LogitsParams, SamplerState, process, record_tokens
+from jaxserve.sampling.logits import ADD_BIAS, ALLOWED, LogitsParams, process, record_tokens, SamplerState
 
 VOCAB, SLOTS, B = 40, 4, 6
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SUPPORTED_MODEL_TYPES, CacheConfig, ModelConfig, SchedulerConfig
-from jaxserve.kv_cache import PageAllocator, pages_needed
-from jaxserve.runner import ModelRunner
-from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import ScheduledChunk
-from jaxserve.sharded_model import load_sharded
+from jaxserve.scheduling.pages import PageAllocator, pages_needed
+from jaxserve.execution.runner import ModelRunner
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduling.scheduler import ScheduledChunk
+from jaxserve.loader.load import load_sharded
 from pallas_kernels.dispatch import select_attention_backend
 from sharding import ParallelConfig, make_plan
 

@@ -4,8 +4,8 @@ bookkeeping of asynchronous scheduling."""
 import math
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import Request, Scheduler, StepPlan
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduling.scheduler import Request, Scheduler, StepPlan
 from tests.page_checks import assert_pages_released
 
 BUDGET = 64
@@ -121,12 +121,12 @@ def test_a_slot_s_next_occupant_never_inherits_the_page_mirror_of_the_last(monke
     object's id to the next one of its size, so a new request admitted to the slot inherited the previous
     occupant's pages and attended over (and wrote into) the wrong KV pages. Reuse of an address happens
     by chance; here every object gets the same id, so the hazard is certain."""
-    import jaxserve.batch
-    from jaxserve.batch import BatchBuilder, BatchLayout
-    from jaxserve.kv_cache import NULL_PAGE
-    from jaxserve.scheduler import ScheduledChunk
+    import jaxserve.execution.batch
+    from jaxserve.execution.batch import BatchBuilder, BatchLayout
+    from jaxserve.scheduling.pages import NULL_PAGE
+    from jaxserve.scheduling.scheduler import ScheduledChunk
 
-    monkeypatch.setattr(jaxserve.batch, "id", lambda obj: 1, raising=False)
+    monkeypatch.setattr(jaxserve.execution.batch, "id", lambda obj: 1, raising=False)
     builder = BatchBuilder(max_num_seqs=1, max_pages=4, page_size=4)
     layout = BatchLayout(tokens=8, seqs=1, max_pages=4, bias_entries=1)
     for i in range(5):  # five successive occupants of slot 0, each with its own pages

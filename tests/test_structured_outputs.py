@@ -15,10 +15,10 @@ import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import CompilationEvents
-from jaxserve.logits import apply_token_masks
-from jaxserve.sampling import InvalidParameter
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.execution.runner import CompilationEvents
+from jaxserve.sampling.logits import apply_token_masks
+from jaxserve.errors import InvalidParameter
+from jaxserve.sampling.grammar import StructuredOutputsParams
 
 PERSON = {
     "type": "object",
@@ -207,7 +207,7 @@ def test_a_grammar_past_the_work_limits_is_refused(stories16):
         stories16.engine.validate([1, 2], SamplingParams(structured_outputs=spec))
 
 
-# ---- strict JSON Schemas (jaxserve/json_schema.py) ---------------------------------------------------------
+# ---- strict JSON Schemas (jaxserve/sampling/json_schema.py) ---------------------------------------------------------
 
 PET = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
 PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
