@@ -1,9 +1,9 @@
 """Command line: `jaxserve generate ...` (offline, one prompt), `jaxserve convert ...` (a Hugging Face
 checkpoint in a faster format), `jaxserve bench ...`, and `jaxserve serve ...` (the HTTP server).
 
-1. `build_parser` adds the engine's own subcommands, then every subcommand another installed package
-   registers in the `jaxserve.commands` entry-point group: the HTTP server registers `serve` there
-   (`server/cli.py`), so the engine package never imports the server.
+1. `build_parser` adds the engine's own subcommands, then every subcommand registered in the
+   `jaxserve.commands` entry-point group (pyproject.toml): the HTTP server's `serve` (`server/cli.py`) and
+   the benchmarks' `bench` (`jaxserve/bench/cli.py`), so this module imports neither.
 2. `main` parses, sets up logging and runs the subcommand; bad options and inputs exit with status 2 and
    one line on stderr.
 """
@@ -16,7 +16,6 @@ import logging
 import sys
 from importlib.metadata import entry_points
 
-from jaxserve.bench.cli import add_bench_parser
 from jaxserve.entrypoints.args import add_engine_args, add_parallel_args, engine_args_from
 
 DESCRIPTION = """LLM inference in JAX: `serve` an OpenAI-compatible HTTP API, `generate` a completion offline,
@@ -91,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
 
-    add_bench_parser(sub)
     for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         command.load()(sub)
     return parser
