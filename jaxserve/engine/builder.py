@@ -22,11 +22,12 @@ import jax
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import resolve_kv_budget
-from jaxserve.loader.load import load_sharded, shard_module
-from jaxserve.loader.placement import ShardedModel
-from jaxserve.text.tokenizer import Tokenizer
 from jaxserve.loader.dtypes import resolve_dtype
+from jaxserve.loader.formats import open_checkpoint
+from jaxserve.loader.load import load_weights
+from jaxserve.loader.placement import ModuleReader, ShardedModel
 from jaxserve.model.registry import random_model
+from jaxserve.text.tokenizer import Tokenizer
 from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
 from sharding import make_plan
 from sharding.multihost import initialize as initialize_distributed
@@ -63,23 +64,24 @@ def default_token_budget(max_num_seqs: int, platform: str) -> int:
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
-    config = demo_model_config() if args.model is None else ModelConfig.from_pretrained(args.model)
+    demo = args.model is None
+    config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
-    if args.model is None:
-        dtype = resolve_dtype(args.dtype if args.dtype != "auto" else "float32", config)
+    # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
+    dtype = resolve_dtype("float32" if demo and args.dtype == "auto" else args.dtype, config)
+    if demo:
         logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
                        "tokenizer; its output is noise)", DEMO_MODEL_NAME)
-        model = shard_module(random_model(config, dtype, args.demo_weights_seed), config, dtype, plan)
-        tokenizer, name = Tokenizer.byte_level(), DEMO_MODEL_NAME
-    else:
-        dtype = resolve_dtype(args.dtype, config)
-        tokenizer = Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
-                             f"model's vocabulary of {config.vocab_size}")
-        model = load_sharded(args.model, config, dtype, plan)
-        name = Path(args.model).resolve().name
+    # The tokenizer first: a wrong one is refused before the weights are read.
+    tokenizer = (Tokenizer.byte_level() if demo else
+                 Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocabulary of {config.vocab_size}")
+    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
+    model = load_weights(reader, config, dtype, plan)
+    name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start)
 
@@ -88,7 +90,7 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
                       dtype) -> BuiltModel:
     """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
     shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
-    model = shard_module(module, config, dtype, _mesh_plan(args, config))
+    model = load_weights(ModuleReader(module), config, dtype, _mesh_plan(args, config))
     return _finish_build(args, name, model, config, tokenizer, dtype)
 
 

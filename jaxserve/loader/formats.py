@@ -38,15 +38,6 @@ def open_checkpoint(model_dir: str | Path) -> OrbaxReader | SafetensorsReader:
     return SafetensorsReader(model_dir, own_layout=fmt == "mapped")
 
 
-def describe_reader(reader) -> str:
-    """What a finished read came from, for the loading log line."""
-    if isinstance(reader, OrbaxReader):
-        return "Orbax checkpoint"
-    if reader.own_layout:
-        return f"mapped safetensors, {reader.in_place_bytes / 1e6:.1f} MB in place"
-    return "safetensors"
-
-
 def mark_converted(source_dir: str | Path, output: Path, marker: dict) -> None:
     """Copy the model's other files beside converted weights and write the format marker last."""
     for name in COPIED:

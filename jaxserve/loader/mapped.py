@@ -50,7 +50,8 @@ def write_mapped(model_dir: str | Path, output: Path, dtype) -> int:
                     offset += size
                     if offset % HOST_ALIGNMENT:
                         gap = HOST_ALIGNMENT - offset % HOST_ALIGNMENT
-                        header[f"__pad__.{pad}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+                        header[f"__pad__.{pad}"] = {"dtype": "U8", "shape": [gap],
+                                                    "data_offsets": [offset, offset + gap]}
                         offset, pad = offset + gap, pad + 1
                 encoded = json.dumps(header).encode()
                 encoded += b" " * (-(8 + len(encoded)) % HOST_ALIGNMENT)

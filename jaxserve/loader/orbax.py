@@ -32,6 +32,10 @@ class OrbaxReader:
     def __init__(self, model_dir: str | Path):
         self.model_dir = model_dir
 
+    @property
+    def description(self) -> str:
+        return f"{self.model_dir} (Orbax checkpoint)"
+
     def read(self, entries: list[ParamEntry]) -> dict[ParamPath, jax.Array]:
         import orbax.checkpoint as ocp
 

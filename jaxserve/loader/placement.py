@@ -90,6 +90,7 @@ LOADER_THREADS = min(4, os.cpu_count() or 1)
 class RegionReader:
     """A checkpoint read region by region: `reader(path, shape)` fills any region of a parameter (NNX layout),
     `in_place(path, dtype)` hands out regions that can become device arrays as they lie (or None)."""
+    description = "a checkpoint"  # for the loading log line
 
     def reader(self, path: ParamPath, shape: tuple[int, ...]) -> Fill:
         raise NotImplementedError
@@ -129,6 +130,7 @@ class RegionReader:
 class ModuleReader(RegionReader):
     """Slices of an in-memory module's parameters (the built-in demo model, tests). Copied: the device
     arrays must not alias the module's."""
+    description = "a module in memory"
 
     def __init__(self, module: nnx.Module):
         self.params = {tuple(str(p) for p in path): value for path, value in

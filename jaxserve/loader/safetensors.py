@@ -153,6 +153,13 @@ class SafetensorsReader(RegionReader):
         self._opening = threading.Lock()  # loader threads ask for tensors of the same file at once
         self.in_place_bytes = 0  # served where they lie in the mapping (for the log)
 
+    @property
+    def description(self) -> str:
+        """Where the weights came from (after a read: how much was used in place)."""
+        if self.own_layout:
+            return f"{self.model_dir} (mapped safetensors, {self.in_place_bytes / 1e6:.1f} MB in place)"
+        return f"{self.model_dir} (safetensors)"
+
     def _file(self, path: tuple) -> tuple[str, bool, SafetensorsFile]:
         name, transpose = (param_tensor_name(path), False) if self.own_layout else hf_tensor_name(path)
         if name not in self.files:
