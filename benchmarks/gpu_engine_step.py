@@ -77,7 +77,7 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
     from jaxserve.engine_args import EngineArgs
     from jaxserve.scheduling.pages import pages_needed
     from jaxserve.execution.runner import ModelRunner
-    from jaxserve.scheduling.scheduler import ScheduledChunk
+    from jaxserve.scheduling.step import ScheduledSeq, StepPlan
     from pallas_kernels.dispatch import select_attention_backend
 
     dtype = jnp.dtype(dtype_name)
@@ -117,8 +117,8 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
                     spec.append((i, fed[i], [last[i]], True))
             out = {}
             for name, runner in runners.items():
-                chunks = [ScheduledChunk.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
-                step = runner.run(chunks)
+                spans = [ScheduledSeq.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
+                step = runner.run(StepPlan.of(spans))
                 out[name] = (step.samples, np.asarray(step.logits[:step.rows[-1].stop], np.float64), step.rows)
             (ref_s, ref_l, rows), (got_s, got_l, _) = out["reference"], out["kernel"]
             finite &= bool(np.isfinite(got_l).all() and np.isfinite(ref_l).all())

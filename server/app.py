@@ -54,7 +54,6 @@ from server.errors import APIError, error_response, internal_error, request_id_o
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
 from server.responses_api import delete_response_route, get_response_route, responses_route
-from sharding import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -397,9 +396,8 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        # Stop the engine with the app, where a multi-host leader also releases its follower processes.
+        # Stop the engine with the app (multi-host: the other processes are released and all leave together).
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
-        await asyncio.get_running_loop().run_in_executor(None, multihost.shutdown)
 
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", api.health, methods=["GET"]),

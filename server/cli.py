@@ -90,13 +90,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def _serve(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
-    from sharding.multihost import initialize, is_leader
-    if initialize(args.distributed_coordinator, args.num_processes, args.process_id) and not is_leader():
-        # Followers never import the HTTP stack: they run process 0's steps until it shuts down.
-        from jaxserve.engine.engine import Engine
-        engine = Engine(args)
-        engine.warmup()
-        engine.follow()
+    from jaxserve.engine.engine import serve_as_follower
+    if serve_as_follower(args):  # multi-host: processes other than 0 never import the HTTP stack
         return 0
     from server.serve import serve
     return serve(args, host=ns.host, port=ns.port, compilation_cache_dir=ns.compilation_cache_dir,

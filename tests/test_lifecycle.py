@@ -77,7 +77,7 @@ def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monke
     def failing_launch(self, plan, *args, **kwargs):
         # Once broken, the first step in which both requests decode raises: each is then mid-generation,
         # whichever reached the server first (the plain one's sender is a thread of its own).
-        if broken.is_set() and sum(not chunk.is_prefill for chunk in plan.chunks) == 2:
+        if broken.is_set() and sum(not seq.is_prefill for seq in plan.seqs) == 2:
             raise RuntimeError("device lost: secret internal detail")
         return launch(self, plan, *args, **kwargs)
 

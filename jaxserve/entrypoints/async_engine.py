@@ -21,9 +21,10 @@ import time
 from typing import AsyncIterator, Callable, Sequence
 
 from jaxserve.engine.engine import Engine
-from jaxserve.outputs import RequestOutput
 from jaxserve.engine_args import EngineArgs
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling.params import SamplingParams
+from sharding import multihost
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,15 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (which releases multi-host followers) and the background warm-up, then leave the
+        distributed runtime together with the other processes, if this process joined one."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
         if self.engine is not None:
             self.engine.runner.stop_warmup(timeout)
+        multihost.shutdown()
 
     def _run(self) -> None:
         try:
@@ -87,7 +91,7 @@ class AsyncEngine:
         finally:
             if self.engine is not None and self.ready.is_set():
                 try:
-                    self.engine.end_call()  # multi-host: release the follower processes
+                    self.engine.release()  # multi-host: the other processes return
                 except Exception:  # noqa: BLE001 - shutting down anyway
                     logger.exception("could not release follower processes")
 

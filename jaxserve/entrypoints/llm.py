@@ -16,8 +16,8 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.engine.engine import Engine
-from jaxserve.outputs import RequestOutput
 from jaxserve.engine_args import EngineArgs, sampling_defaults
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -48,13 +48,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
-        if not self.engine.is_leader:
-            self.engine.follow()
-            return []
-        try:
-            return self._generate(prompts, sampling_params, use_tqdm)
-        finally:
-            self.engine.end_call()
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -80,18 +74,16 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
-        if not self.engine.is_leader:
-            return self.generate([], sampling_params)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
-        try:
+
+        def chat() -> list[RequestOutput]:
             prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                                       chat_template=chat_template),
                                         add_special_tokens=False) for c in conversations]
-        except Exception:
-            self.engine.end_call()  # followers are waiting in this call's generate
-            raise
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+        return self.engine.call(chat, on_follower=[])
 
     def _run(self, request_ids: list[str], choices: list[int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every choice of every request is finished; one RequestOutput per request, its

@@ -21,9 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.scheduling.pages import pages_needed
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.scheduling.scheduler import ScheduledChunk
+from jaxserve.scheduling.pages import pages_needed
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 
 
 @dataclasses.dataclass
@@ -111,8 +111,8 @@ class Workbench:
                                  f"{seq.length} + {len(ids)} do not fit")
         if sum(len(ids) for _, ids in work) > self.max_step_tokens:
             raise ValueError(f"one step takes at most {self.max_step_tokens} tokens")
-        chunks = [ScheduledChunk.for_sequence(seq.slot, seq.pages, seq.length, list(ids)) for seq, ids in work]
-        out = self.runner.run(chunks)
+        spans = [ScheduledSeq.for_sequence(seq.slot, seq.pages, seq.length, list(ids)) for seq, ids in work]
+        out = self.runner.run(StepPlan.of(spans))
         for seq, ids in work:
             seq.token_ids.extend(int(t) for t in ids)
         return StepResult([int(t) for t in out.samples], [out.logits[rows] for rows in out.rows])

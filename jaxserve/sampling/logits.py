@@ -13,7 +13,7 @@ request's tokens do not depend on what shares its batch.
    the output (OpenAI's rule), then a list of entries per row that either add a bias to a token
    (`logit_bias`, and -inf on EOS and stop tokens until `min_tokens` are out) or allow it (with
    `allowed_token_ids` every token not listed is masked).
-3. `apply_token_masks` applies the grammar masks of structured outputs (`structured.py`) to the raw
+3. `apply_token_masks` applies the grammar masks of structured outputs (`grammar.py`) to the raw
    logits, before everything else: a token a grammar forbids has probability zero, in logprobs too.
 4. `token_logprobs` gives, from the *raw* logits (vLLM's default: what the model said, before penalties
    and temperature), each chosen token's log-probability and rank and the top K alternatives.
@@ -25,9 +25,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-# Bits of an entry kind in the per-row bias lists.
-ADD_BIAS, ALLOWED = 1, 2
+from jaxserve.packing import packed, per_seq
+from jaxserve.sampling.params import ADD_BIAS, ALLOWED
 
 
 @jax.tree_util.register_dataclass
@@ -37,21 +38,21 @@ class SamplerState:
     in_prompt: jax.Array  # [slots + 1, vocab] bool
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LogitsParams:
-    """The per-row processing settings of one step (`S` rows, `B` bias entries per row)."""
-    slots: jax.Array  # [S] int32 slot of each row (padding rows: the scratch slot)
-    fresh: jax.Array  # [S] int32 1 where the row's slot state starts over (its first chunk since admission)
-    presence: jax.Array  # [S] float32
-    frequency: jax.Array  # [S] float32
-    repetition: jax.Array  # [S] float32, 1 = off
-    bias_ids: jax.Array  # [S, B] int32 token ids
-    bias_values: jax.Array  # [S, B] float32 added where the entry's kind has ADD_BIAS
-    bias_kinds: jax.Array  # [S, B] int32 bit set: ADD_BIAS, ALLOWED; 0 = unused entry
-    restrict: jax.Array  # [S] int32 1 where only ALLOWED tokens may be drawn
-    active: jax.Array  # [] int32 1 when any row uses any of the above (else the step skips it all)
+    """The per-row processing settings of one step (`S` rows, `B` bias entries per row). The batch builder
+    fills them only when some row uses them (`active`); a new per-row setting is one line here."""
+    presence: jax.Array = per_seq(np.float32, source="params.presence_penalty")  # [S] float32
+    frequency: jax.Array = per_seq(np.float32, source="params.frequency_penalty")  # [S] float32
+    # [S] float32, 1 = off
+    repetition: jax.Array = per_seq(np.float32, fill=1.0, source="params.repetition_penalty")
+    bias_ids: jax.Array = packed("S,B")  # [S, B] int32 token ids
+    bias_values: jax.Array = packed("S,B", np.float32)  # [S, B] float32 added where the entry's kind has ADD_BIAS
+    bias_kinds: jax.Array = packed("S,B")  # [S, B] int32 bit set: ADD_BIAS, ALLOWED; 0 = unused entry
+    # [S] int32 1 where only ALLOWED tokens may be drawn
+    restrict: jax.Array = per_seq(source=lambda seq: seq.params.allowed_token_ids is not None)
+    active: jax.Array = packed("")  # [] int32 1 when any row uses any of the above (else the step skips it all)
 
 
 def record_tokens(state: SamplerState, slots: jax.Array, fresh: jax.Array, token_slot: jax.Array,
@@ -69,11 +70,11 @@ def record_tokens(state: SamplerState, slots: jax.Array, fresh: jax.Array, token
     return SamplerState(counts.at[scratch].set(0), prompt.at[scratch].set(False))
 
 
-def process(logits: jax.Array, state: SamplerState, p: LogitsParams) -> jax.Array:
-    """logits [S, vocab] float32 -> the logits the sampler draws from."""
+def process(logits: jax.Array, state: SamplerState, slots: jax.Array, p: LogitsParams) -> jax.Array:
+    """logits [S, vocab] float32 -> the logits the sampler draws from; slots [S]: each row's state row."""
     def apply():
-        counts = state.output_counts[p.slots]
-        seen = (counts > 0) | state.in_prompt[p.slots]
+        counts = state.output_counts[slots]
+        seen = (counts > 0) | state.in_prompt[slots]
         rep = p.repetition[:, None]
         out = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         out = out - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)

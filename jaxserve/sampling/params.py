@@ -17,6 +17,13 @@ from typing import Sequence
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling.grammar import StructuredOutputsParams
 
+__all__ = ["ADD_BIAS", "ALLOWED", "BiasTable", "InvalidParameter", "SamplingParams", "bias_table", "seed_words"]
+
+# Bits of an entry kind in a row's bias list (see `bias_table` and jaxserve/sampling/logits.py).
+ADD_BIAS, ALLOWED = 1, 2
+# A request's static bias entries: (token ids, values, kinds), one entry per token.
+BiasTable = tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]
+
 @dataclasses.dataclass
 class SamplingParams:
     """A request's generation settings, in vLLM's names and with vLLM's meanings."""
@@ -123,3 +130,12 @@ class SamplingParams:
 def seed_words(seed: int) -> tuple[int, int]:
     """The seed's 64 bits as (high, low) 32-bit words; a negative seed counts as its two's complement."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def bias_table(params: SamplingParams) -> BiasTable:
+    """A request's static bias entries: its logit_bias (ADD_BIAS) and allowed_token_ids (ALLOWED), merged
+    per token. The min_tokens masking of EOS and stop tokens is added per draw by the batch builder."""
+    entries: dict[int, list] = {t: [v, ADD_BIAS] for t, v in (params.logit_bias or {}).items()}
+    for t in params.allowed_token_ids or ():
+        entries.setdefault(t, [0.0, 0])[1] |= ALLOWED
+    return tuple(entries), tuple(e[0] for e in entries.values()), tuple(e[1] for e in entries.values())

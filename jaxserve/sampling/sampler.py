@@ -14,17 +14,21 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.packing import packed, per_seq
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    temperature: jax.Array  # [slots] float32; 0 = greedy
-    top_k: jax.Array  # [slots] int32; 0 = off
-    top_p: jax.Array  # [slots] float32
-    min_p: jax.Array  # [slots] float32
-    seed: jax.Array  # [slots, 2] uint32: the request seed's high and low 32 bits
-    step: jax.Array  # [slots] int32: index of the token being drawn within its request
+    """Every row's sampling settings (S rows); a new setting is one line here (see jaxserve/packing.py)."""
+    temperature: jax.Array = per_seq(np.float32, source="params.temperature")  # [S] float32; 0 = greedy
+    top_k: jax.Array = per_seq(source="params.top_k")  # [S] int32; 0 = off
+    top_p: jax.Array = per_seq(np.float32, fill=1.0, source="params.top_p")  # [S] float32
+    min_p: jax.Array = per_seq(np.float32, source="params.min_p")  # [S] float32
+    seed: jax.Array = packed("S,2", np.uint32, source="seed_words")  # [S, 2] uint32: the seed's high, low bits
+    step: jax.Array = per_seq(source="draw_index")  # [S] int32: index of the token being drawn in its request
 
 
 def greedy(logits: jax.Array) -> jax.Array:

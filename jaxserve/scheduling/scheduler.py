@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: host-only Python, no device arrays.
+"""Continuous-batching scheduler: host-only Python, no device arrays. It decides; it never appends tokens.
 
 1. Requests wait in arrival order. One is admitted when a slot is free and the pages for its whole
    prefill (prompt, plus any tokens it generated before a preemption) can be allocated. With prefix
@@ -7,20 +7,21 @@
    at least that token is always computed, in a page of its own request. The other choices of an n > 1
    request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
    reference each) and compute only the rest of the prompt, whose last token each samples itself.
-2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`): first
-   one token for every decoding sequence (each gets the page that token goes to; when none is free the
-   newest running request is preempted and will be recomputed), then prefill chunks of as many
-   prefilling sequences as fit, oldest first. The step is a list of `ScheduledChunk`s: one ragged batch.
+2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
+   while step programs still compile): first a span for every decoding sequence (its last token, plus any
+   draft tokens to verify; each gets the pages those tokens go to, and when none is free the newest
+   running request is preempted and will be recomputed), then prefill chunks of as many prefilling
+   sequences as fit, oldest first. The step is a `StepPlan` of plain `ScheduledSeq`s: one ragged batch.
 3. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
    is dispatched while the previous one still runs, so a sequence's newest token may still be on the
-   device. Such a token is *pending*: the chunk names the previous step's sample row it comes from, and
+   device. Such a token is *pending*: the span names the previous step's sample row it comes from, and
    the device feeds it in directly. `num_computed` counts tokens whose K/V the dispatched steps write.
-   A sequence under structured outputs is not decoded while it has a pending token: the grammar mask of
-   its next draw depends on that token (the engine reads it first, see engine.py).
-4. When a step's samples reach the host, `accept_token` appends them — the only place a request's tokens
-   grow. A sample for a request that finished, was aborted or was preempted after the step was planned
-   is discarded (its `epoch` moved on). Full pages whose tokens are all known and whose K/V is written
-   by a dispatched step are offered to the prefix cache, prompt and generated text alike.
+   A sequence under structured outputs (or verifying drafts) is not decoded while a draw is pending:
+   its next span depends on the tokens that draw accepts.
+4. `update_from_output` (`update.py`) hands each step's draws back through `accept_draws` (bookkeeping
+   only: drafts that were rejected are no longer computed) and offers the prefix cache every page that is
+   full of known tokens whose K/V a dispatched step writes (`register_full_pages`), prompt and generated
+   text alike; so do `finish` and a preemption, for what their request's dispatched steps wrote.
 5. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
    cached until an allocation needs them (least recently used first). A step still in flight may write
    into freed pages, but every later step runs after it on the device, so their next owner's writes win.
@@ -28,147 +29,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import itertools
 import time
 from collections import deque
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.scheduling.pages import PageAllocator, pages_needed
-from jaxserve.scheduling.prefix_cache import extend_page_keys, PageKey, PrefixCache
-from jaxserve.sampling.params import SamplingParams, seed_words
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-_arrival = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_len: int  # prompt + completion may not exceed this (max_tokens and the context, combined)
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then every known output token
-    status: Status = Status.WAITING
-    slot: int | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V the dispatched steps write
-    num_pending: int = 0  # tokens sampled by dispatched steps that the host has not read yet
-    pending_row: int = -1  # sample row of the last dispatched step that holds the pending token
-    prefill_target: int = 0  # tokens to prefill since the last admission
-    epoch: int = 0  # bumped when the request stops running: samples planned before are discarded
-    finish_reason: str | None = None
-    num_preemptions: int = 0
-    page_keys: list[PageKey] = dataclasses.field(default_factory=list)  # prefix-cache keys of full pages
-    num_registered: int = 0  # leading pages whose keys the cache has seen since the last admission
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at first admission
-    arrival: int = dataclasses.field(default_factory=lambda: next(_arrival))
-    # Seconds from queueing to the first admission (for metrics); None until then.
-    queued_at: float = dataclasses.field(default_factory=time.monotonic)
-    queue_seconds: float | None = None
-    admitted_at: int = 0  # num_computed right after the last admission: where its first chunk starts
-    suppress_ids: tuple[int, ...] = ()  # EOS and stop tokens: masked while fewer than min_tokens are out
-    bias_table: tuple | None = None  # (ids, values, kinds) of its static bias entries, built by the batch
-    # Choices 1..n-1 of an n > 1 request, forked from this one (choice 0) once its prompt is prefilled;
-    # `shared_pages` are the prompt pages a forked choice starts from (acquired for it at the fork).
-    choice: int = 0
-    forks: list["Request"] = dataclasses.field(default_factory=list)
-    shared_pages: list[int] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self):
-        if not self.token_ids:
-            self.token_ids = list(self.prompt_ids)
-        self.seed_words = seed_words(self.seed)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        """Known output tokens (pending ones excluded)."""
-        return len(self.token_ids) - len(self.prompt_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
-
-    @property
-    def num_tokens(self) -> int:
-        """Known tokens plus those still on the device."""
-        return len(self.token_ids) + self.num_pending
-
-    @property
-    def constrained(self) -> bool:
-        """Its draws follow a grammar: each needs the token before it known on the host (for the mask)."""
-        return self.params.structured_outputs is not None
-
-    @property
-    def is_prefilling(self) -> bool:
-        return self.status is Status.RUNNING and self.num_computed < self.prefill_target
-
-    @property
-    def is_decoding(self) -> bool:
-        """Running with exactly one token (known or pending) not yet fed to the model."""
-        return self.status is Status.RUNNING and self.num_computed == self.num_tokens - 1
-
-    @property
-    def finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-
-@dataclasses.dataclass
-class ScheduledChunk:
-    """One sequence's share of a step: `num_tokens` new tokens at positions start, start + 1, ..."""
-    request: Request
-    start: int
-    num_tokens: int
-    token_ids: list[int] | None  # the new tokens, or None: one token from the previous step's `prev_row`
-    prev_row: int  # -1 unless token_ids is None
-    sample_step: int  # index among the request's outputs of the token sampled after this chunk; -1 = none
-    epoch: int
-    is_prefill: bool
-    first: bool = False  # the request's first chunk since its (re)admission: its sampler state starts over
-
-    @property
-    def samples(self) -> bool:
-        return self.sample_step >= 0
-
-    @classmethod
-    def for_sequence(cls, slot: int, pages: list[int], start: int, token_ids: list[int],
-                     params: SamplingParams | None = None, seed: int = 0) -> "ScheduledChunk":
-        """A chunk for a sequence no scheduler manages (research, tests): `token_ids` at positions
-        start.. of the sequence whose K/V lives in `pages`, using page-table row `slot`; the token after
-        them is sampled (greedy unless `params` say otherwise)."""
-        # Positions before `start` are already in the cache; their ids do not matter here.
-        request = Request(f"slot{slot}", [0] * start + list(token_ids),
-                          params or SamplingParams(temperature=0, max_tokens=None), seed=seed,
-                          max_len=start + len(token_ids) + 1)
-        request.status, request.slot, request.pages = Status.RUNNING, slot, list(pages)
-        return cls(request, start, len(token_ids), list(token_ids), -1, 0, request.epoch, True, first=True)
-
-
-@dataclasses.dataclass
-class StepPlan:
-    chunks: list[ScheduledChunk]
-    num_tokens: int
-
-    @property
-    def empty(self) -> bool:
-        return not self.chunks
-
-    @property
-    def prefill_only(self) -> bool:
-        """No chunk decodes: every request in the step is still reading its prompt."""
-        return all(chunk.is_prefill for chunk in self.chunks)
+from jaxserve.scheduling.prefix_cache import PrefixCache, extend_page_keys
+from jaxserve.scheduling.request import Request, Status
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 
 
 class Scheduler:
@@ -182,8 +50,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
-        # Tokens one step may hold: the config's budget, lowered by the engine while step programs compile.
-        self.token_budget = scheduler_config.max_num_batched_tokens
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -198,21 +64,29 @@ class Scheduler:
     def kv_usage(self) -> float:
         return 1 - self.allocator.num_free / self.allocator.num_usable
 
+    def waits_for_draws(self) -> bool:
+        """Whether a running sequence can be planned only once its pending draw is read: a constrained one
+        (its next mask depends on the token) or one verifying drafts (its next span, on how many stand)."""
+        return any(r.num_pending and (r.constrained or not r.is_decoding) for r in self.slots if r is not None)
+
     # ---- planning ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> StepPlan:
-        """Plan the next step; marks what it schedules as computed (and sampled) right away."""
+    def schedule(self, token_limit: int | None = None) -> StepPlan:
+        """Plan the next step of at most `token_limit` tokens (default: the configured budget). What it
+        plans counts as computed (and drawn) right away."""
+        limit = min(token_limit or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
         preempted = self._reserve_decode_pages()
-        chunks: list[ScheduledChunk] = []
-        budget = self.token_budget
+        seqs: list[ScheduledSeq] = []
+        budget = limit
         running = sorted(self.running, key=lambda r: r.arrival)
         for request in running:
-            if self._wants_decode(request):
-                chunks.append(self._decode_chunk(request, len(chunks)))
-        budget -= len(chunks)
+            if self._wants_decode(request) and budget > 0:
+                seq = self._decode_seq(request, len(seqs), budget)
+                seqs.append(seq)
+                budget -= seq.num_tokens
         if not preempted:  # pages just freed by a preemption go to the running requests first
             self._admit()
             running = sorted(self.running, key=lambda r: r.arrival)
@@ -220,10 +94,11 @@ class Scheduler:
             if budget == 0:
                 break
             if request.is_prefilling:
-                n = min(request.prefill_target - request.num_computed, budget)
-                chunks.append(self._prefill_chunk(request, n, len(chunks)))
-                budget -= n
-        return StepPlan(chunks, self.token_budget - budget)
+                seq = self._prefill_seq(request, min(request.prefill_target - request.num_computed, budget),
+                                        len(seqs))
+                seqs.append(seq)
+                budget -= seq.num_tokens
+        return StepPlan(seqs, limit - budget)
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:
@@ -232,31 +107,61 @@ class Scheduler:
         return (request.is_decoding and request.num_tokens < request.max_len
                 and not (request.constrained and request.num_pending))
 
-    def _decode_chunk(self, request: Request, row: int) -> ScheduledChunk:
-        pending = request.num_pending > 0
-        chunk = ScheduledChunk(request, request.num_computed, 1,
-                               None if pending else request.token_ids[-1:],
-                               request.pending_row if pending else -1,
-                               request.num_tokens - request.num_prompt_tokens, request.epoch, False)
-        request.num_computed += 1
-        self._mark_sampled(request, row)
-        return chunk
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The draft tokens to verify after the request's last token: as many as the budget, the pages
+        reserved and its length limit allow (a proposer fills `draft_token_ids`; none does yet)."""
+        if not request.draft_token_ids or request.num_pending or request.constrained:
+            return []
+        room = min(budget - 1, request.max_len - request.num_tokens - 1,
+                   len(request.pages) * self.page_size - request.num_computed - 1)
+        return request.draft_token_ids[:max(room, 0)]
 
-    def _prefill_chunk(self, request: Request, n: int, row: int) -> ScheduledChunk:
+    def _decode_seq(self, request: Request, row: int, budget: int) -> ScheduledSeq:
+        pending = request.num_pending > 0
+        drafts = self._drafts(request, budget)
+        tokens = None if pending else tuple(request.token_ids[-1:]) + tuple(drafts)
+        seq = self._seq(request, request.num_computed, 1 + len(drafts), tokens,
+                        prev_row=request.pending_row if pending else -1,
+                        sample_step=request.num_tokens - request.num_prompt_tokens, num_draft_tokens=len(drafts))
+        request.draft_token_ids = []
+        request.num_computed += seq.num_tokens
+        self._mark_drawn(request, row)
+        return seq
+
+    def _prefill_seq(self, request: Request, n: int, row: int) -> ScheduledSeq:
         start = request.num_computed
         last = start + n == request.prefill_target
-        chunk = ScheduledChunk(request, start, n, request.token_ids[start:start + n], -1,
-                               request.num_tokens - request.num_prompt_tokens if last else -1, request.epoch,
-                               True, first=start == request.admitted_at)
+        targets = None
+        if request.params.prompt_logprobs is not None:  # each row scores the prompt token after it
+            targets = tuple(request.token_ids[start + 1:min(start + n + 1, request.num_prompt_tokens)])
+        seq = self._seq(request, start, n, tuple(request.token_ids[start:start + n]), is_prefill=True,
+                        first_chunk=start == request.admitted_at, prompt_targets=targets,
+                        sample_step=request.num_tokens - request.num_prompt_tokens if last else -1)
         request.num_computed += n
         if last:
-            self._mark_sampled(request, row)
+            self._mark_drawn(request, row)
             if request.forks:
                 self._fork(request)
-        return chunk
+        return seq
+
+    def _seq(self, request: Request, start: int, n: int, tokens: tuple[int, ...] | None, *, sample_step: int,
+             prev_row: int = -1, num_draft_tokens: int = 0, is_prefill: bool = False, first_chunk: bool = False,
+             prompt_targets: tuple[int, ...] | None = None) -> ScheduledSeq:
+        new_in_slot = request.num_pages_sent == 0  # its first span since (re)admission: a fresh page-table row
+        new_pages = tuple(request.pages[request.num_pages_sent:])
+        request.num_pages_sent = len(request.pages)
+        params = request.params
+        suppress = request.suppress_ids if 0 <= sample_step < params.min_tokens else ()
+        return ScheduledSeq(key=request.key, epoch=request.epoch, slot=request.slot, start=start, num_tokens=n,
+                            token_ids=tokens, prev_row=prev_row, new_pages=new_pages, new_in_slot=new_in_slot,
+                            first_chunk=first_chunk, is_prefill=is_prefill, sample_step=sample_step,
+                            num_draft_tokens=num_draft_tokens, constrained=request.constrained,
+                            num_prompt_tokens=request.num_prompt_tokens, params=params,
+                            seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
+                            prompt_targets=prompt_targets)
 
     @staticmethod
-    def _mark_sampled(request: Request, row: int) -> None:
+    def _mark_drawn(request: Request, row: int) -> None:
         request.num_pending += 1
         request.pending_row = row
 
@@ -278,7 +183,7 @@ class Scheduler:
             request.shared_pages = []
             request.status = Status.RUNNING
             request.slot = self.slots.index(None)
-            request.pages = pages
+            request.pages, request.num_pages_sent = pages, 0
             request.num_computed = request.admitted_at = len(hits) * self.page_size
             request.num_registered = len(hits)
             request.prefill_target = target
@@ -311,13 +216,8 @@ class Scheduler:
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
-        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, self._extra_keys(request))
+        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, _extra_keys(request))
         return self.prefix_cache.lookup(request.page_keys[:usable])
-
-    @staticmethod
-    def _extra_keys(request: Request) -> tuple:
-        salt = request.params.cache_salt
-        return ("salt", salt) if salt is not None else ()
 
     def register_full_pages(self, request: Request) -> None:
         """Offer the prefix cache every page that is full of known tokens whose K/V a dispatched step
@@ -327,32 +227,36 @@ class Scheduler:
         full = min(request.num_computed, len(request.token_ids)) // self.page_size
         if full <= request.num_registered:
             return
-        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full,
-                                self._extra_keys(request))
+        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full, _extra_keys(request))
         for i in range(request.num_registered, full):
             self.prefix_cache.register(request.pages[i], keys[i])
         request.num_registered = full
 
     def _reserve_decode_pages(self) -> bool:
-        """Give every decoding sequence the page its next token goes to, preempting if need be. Returns
-        whether anything was preempted."""
+        """Give every decoding sequence the pages its next span goes to (its token and any drafts),
+        preempting if need be. Returns whether anything was preempted."""
         preempted = False
         for request in sorted((r for r in self.slots if r is not None and self._wants_decode(r)),
                               key=lambda r: r.arrival):
-            while request.status is Status.RUNNING and request.num_computed // self.page_size >= len(request.pages):
+            span = 1 + len(request.draft_token_ids) if not request.num_pending else 1
+            end = min(request.num_computed + span, request.max_len)
+            while request.status is Status.RUNNING and pages_needed(end, self.page_size) > len(request.pages):
                 page = self.allocator.allocate(1)
                 if page is not None:
                     request.pages += page
+                elif pages_needed(request.num_computed + 1, self.page_size) <= len(request.pages):
+                    break  # room for its own token: the drafts wait
                 else:
                     self._preempt(max(self.running, key=lambda r: r.arrival))
                     preempted = True
         return preempted
 
     def _preempt(self, victim: Request) -> None:
+        self.register_full_pages(victim)  # what its dispatched steps wrote saves its recomputation
         self._release(victim)
         victim.status = Status.WAITING
         victim.num_computed = 0
-        victim.num_pending = 0  # its in-flight sample is discarded and drawn again after recomputation
+        victim.num_pending = 0  # its in-flight draw is discarded and drawn again after recomputation
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._requeue(victim)
@@ -365,6 +269,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         request.epoch += 1
         request.pending_row = -1
+        request.num_pages_sent = 0
         if request.shared_pages:  # a forked choice that never ran
             self.allocator.free(request.shared_pages)
             request.shared_pages = []
@@ -377,16 +282,12 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------------
 
-    def accept_token(self, chunk: ScheduledChunk, token: int) -> bool:
-        """A step's sample for `chunk` reached the host. Returns False (and drops it) when the request has
-        stopped running since the step was planned."""
-        request = chunk.request
-        if request.epoch != chunk.epoch:
-            return False
+    def accept_draws(self, request: Request, seq: ScheduledSeq, accepted: int) -> None:
+        """A step's draws for `seq` reached the host and `accepted` of its tokens stand (the caller appends
+        them). Drafts after the first rejected one were computed for nothing: the next span recomputes
+        from there."""
         request.num_pending -= 1
-        request.token_ids.append(token)
-        self.register_full_pages(request)
-        return True
+        request.num_computed -= seq.num_draft_tokens - max(accepted - 1, 0)
 
     def reset_prefix_cache(self) -> int:
         """Evict every idle cached page (pages in use keep theirs); returns how many were evicted."""
@@ -403,3 +304,8 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.num_pending = 0
+
+
+def _extra_keys(request: Request) -> tuple:
+    salt = request.params.cache_salt
+    return ("salt", salt) if salt is not None else ()
