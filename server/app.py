@@ -46,7 +46,7 @@ from server.guards import RequestGuard
 from server.metrics import Metrics
 from server.openapi import openapi_document
 from server.options import ServerOptions
-from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.protocol import ChatCompletionRequest, error_body
 from server.chat import chat_route
 from server.responses import model_card
 from server.completions import completions_route
@@ -54,6 +54,7 @@ from server.errors import APIError, error_response, internal_error, request_id_o
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
 from server.responses_api import delete_response_route, get_response_route, responses_route
+from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 

@@ -441,37 +441,6 @@ class ChatCompletionRequest(_Request):
         return variables
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise UnsupportedField("prompt", "give exactly one of prompt and messages")
-        return self
-
-    @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
-
-    @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
