@@ -81,7 +81,7 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsBody(BaseModel):
-    """vLLM's `structured_outputs` field (one constraint; see jaxserve/structured.py)."""
+    """vLLM's `structured_outputs` field (one constraint; see jaxserve/sampling/grammar.py)."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: dict | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None

@@ -1,4 +1,4 @@
-"""Penalties, biases and masks of the step (`jaxserve/logits.py`) against a numpy reference, and their effect
+"""Penalties, biases and masks of the step (`jaxserve/sampling/logits.py`) against a numpy reference, and their effect
 on greedy output end to end."""
 
 from __future__ import annotations
