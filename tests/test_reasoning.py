@@ -207,7 +207,7 @@ def test_responses_reasoning_item_then_the_answer(client):
         "response.output_item.added", "response.content_part.added",
         *["response.output_text.delta"] * sum(e.type == "response.output_text.delta" for e in events),
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
-        "response.incomplete"]  # the closing walk ended it within max_output_tokens
+        "response.completed"]  # the closing walk ended the grammar in time: a whole answer ("stop")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
     assert events[-1].response.output_text == response.output_text
