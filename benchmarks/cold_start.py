@@ -59,7 +59,7 @@ def ensure_mapped(model: Path) -> Path:
     if not (mapped / "jaxserve_checkpoint.json").is_file():
         shutil.rmtree(mapped, ignore_errors=True)
         print(f"converting {model} to {mapped} (jaxserve convert --format mapped)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "jaxserve.cli", "convert", "--model", str(model), "--output",
+        subprocess.run([sys.executable, "-m", "jaxserve", "convert", "--model", str(model), "--output",
                         str(mapped), "--format", "mapped", "--dtype", "float32"], check=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     return mapped
@@ -190,7 +190,7 @@ def main() -> None:
                                   [args.gguf]))
         for source, model in sources.items():
             cache = Path(tempfile.mkdtemp(prefix="xla-cache-"))
-            jaxserve = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model), "--served-model-name",
+            jaxserve = [sys.executable, "-m", "jaxserve", "serve", "--model", str(model), "--served-model-name",
                         args.model.name, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
                         str(args.max_model_len), "--port", str(args.port), "--compilation-cache-dir", str(cache)]
             for kind in (f"{source} first start", f"{source} restart"):

@@ -52,9 +52,9 @@ def e2e_config(args, num_layers: int, vocab: int, max_len: int):
 
 def e2e_build(engine_args, config, dtype, seed: int):
     """The engine's own path: a random NNX module, sharded onto the (one-device) mesh by `build_from_module`."""
-    from jaxserve.model_builder import build_from_module
-    from jaxserve.tokenizer import Tokenizer
-    from jaxserve.weights import random_model
+    from jaxserve.engine.builder import build_from_module
+    from jaxserve.text.tokenizer import Tokenizer
+    from jaxserve.model.registry import random_model
     # Token-id prompts: the byte-level tokenizer only detokenizes the samples (unknown ids decode to "").
     return build_from_module(engine_args, "random-llama", random_model(config, dtype, seed), config,
                              Tokenizer.byte_level(), dtype)
@@ -75,9 +75,9 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
     (a random model's logits are flat; a broken kernel moves them by far more)."""
     import contextlib
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.kv_cache import pages_needed
-    from jaxserve.runner import ModelRunner
-    from jaxserve.scheduler import ScheduledChunk
+    from jaxserve.scheduling.pages import pages_needed
+    from jaxserve.execution.runner import ModelRunner
+    from jaxserve.scheduling.step import ScheduledSeq, StepPlan
     from pallas_kernels.dispatch import select_attention_backend
 
     dtype = jnp.dtype(dtype_name)
@@ -117,8 +117,8 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
                     spec.append((i, fed[i], [last[i]], True))
             out = {}
             for name, runner in runners.items():
-                chunks = [ScheduledChunk.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
-                step = runner.run(chunks)
+                spans = [ScheduledSeq.for_sequence(i, pages[i], start, ids) for i, start, ids, _ in spec]
+                step = runner.run(StepPlan.of(spans))
                 out[name] = (step.samples, np.asarray(step.logits[:step.rows[-1].stop], np.float64), step.rows)
             (ref_s, ref_l, rows), (got_s, got_l, _) = out["reference"], out["kernel"]
             finite &= bool(np.isfinite(got_l).all() and np.isfinite(ref_l).all())
@@ -153,7 +153,7 @@ class E2EModel:
 
     def __init__(self, args):
         from jaxserve import Engine, EngineArgs
-        from jaxserve.kv_cache import pages_needed
+        from jaxserve.scheduling.pages import pages_needed
 
         batches = sorted(set(args.e2e_decode_batches))
         budget = max(args.e2e_prefill, batches[-1])

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import SamplingParams
-from jaxserve.research import Workbench
+from jaxserve import Workbench
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, QMAX, dequantize_kv, quantize_kv_tokens
 from pallas_kernels.testing import dense_attention
 

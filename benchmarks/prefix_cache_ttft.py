@@ -30,9 +30,9 @@ from flax import nnx
 
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.config import ModelConfig
-from jaxserve.model_builder import build_from_module
-from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import random_model
+from jaxserve.engine.builder import build_from_module
+from jaxserve.text.tokenizer import Tokenizer
+from jaxserve.model.registry import random_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ import sys, time
 from server.serve import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
 from jaxserve import Engine, EngineArgs
-from jaxserve.program_cache import ProgramCache
+from jaxserve.execution.program_cache import ProgramCache
 engine = Engine(EngineArgs(model=sys.argv[2], max_num_seqs=16, max_model_len=1024))
 runner = engine.runner
 runner.programs = ProgramCache.beside_jax_cache()

@@ -27,7 +27,7 @@ import sys
 import time
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.grammar import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

@@ -1,4 +1,13 @@
-"""jaxserve: LLM inference in JAX with a paged KV cache, continuous batching and Pallas attention."""
+"""jaxserve: LLM inference in JAX with a paged KV cache, continuous batching and Pallas attention.
+
+The public API is what this module exports; the subpackages are the engine's rooms, from the top down:
+`entrypoints` (LLM, Workbench, the CLI, the async engine a server drives), `engine` (the loop and its
+assembly), `scheduling` (request state, the scheduler, the step description, KV pages and the prefix
+cache, and `update_from_output`), `execution` (the device batch, the compiled step, the runner),
+`sampling` (sampling parameters, the sampler, logits processing, grammars), `model` and `loader`
+(model definitions, checkpoints onto the mesh), `text` (tokenizer, chat templates, detokenizer) and
+`bench`. Imports only point down this list (`tests/test_import_graph.py` checks it).
+"""
 
 from __future__ import annotations
 
@@ -14,16 +23,19 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 # The public names load on first use: `import jaxserve` alone must not import JAX, so that tools that
 # only talk HTTP (`jaxserve bench serve`, `jaxserve --help`) start in a fraction of a second and a load
 # generator does not carry the engine's heap while it measures.
-_EXPORTS = {"LLM": "jaxserve.llm", "SamplingParams": "jaxserve.sampling", "Engine": "jaxserve.engine",
-            "EngineArgs": "jaxserve.engine_args", "RequestOutput": "jaxserve.engine",
-            "CompletionOutput": "jaxserve.engine"}
+_EXPORTS = {"LLM": "jaxserve.entrypoints.llm", "SamplingParams": "jaxserve.sampling.params",
+            "Workbench": "jaxserve.entrypoints.research", "Engine": "jaxserve.engine.engine",
+            "EngineArgs": "jaxserve.engine_args", "RequestOutput": "jaxserve.outputs",
+            "CompletionOutput": "jaxserve.outputs"}
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from jaxserve.engine import CompletionOutput, Engine, RequestOutput
+    from jaxserve.engine.engine import Engine
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.llm import LLM
-    from jaxserve.sampling import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.entrypoints.research import Workbench
+    from jaxserve.outputs import CompletionOutput, RequestOutput
+    from jaxserve.sampling.params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -11,6 +11,8 @@ the signature of `ragged_paged_attention_reference`, so model code never changes
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Callable
 
 import jax
@@ -39,5 +41,36 @@ def select_attention_backend(requested: str = "auto", platform: str | None = Non
         return REFERENCE
     if requested == "auto" and platform == "cpu":
         return BLOCKED
-    from pallas_kernels import kernels_for_platform  # imported lazily: Pallas is only needed here
     return kernels_for_platform(platform)
+
+
+CPU_FLAVOUR_ENV = "JAXSERVE_PALLAS_CPU_FLAVOUR"
+_FLAVOURS = {"triton": "triton", "gpu": "triton", "mosaic": "mosaic", "tpu": "mosaic"}
+
+
+def _flavour_backend(flavour: str, interpret: bool) -> AttentionBackend:
+    suffix = " (interpret)" if interpret else ""
+    # Kernel modules are imported here, lazily: Pallas is only needed once a kernel is chosen.
+    if flavour == "triton":
+        from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu as kernel
+    else:
+        from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu as kernel
+    name = f"pallas-{flavour}{suffix}"
+    ragged = functools.partial(kernel, interpret=interpret)
+    return AttentionBackend(name, ragged)
+
+
+def kernels_for_platform(platform: str, *, cpu_flavour: str | None = None) -> AttentionBackend:
+    """The Pallas attention backend for `platform` ("gpu", "cuda", "rocm", "tpu" or "cpu")."""
+    platform = platform.lower()
+    if platform in ("gpu", "cuda", "rocm"):
+        return _flavour_backend("triton", interpret=False)
+    if platform == "tpu":
+        return _flavour_backend("mosaic", interpret=False)
+    if platform == "cpu":
+        requested = cpu_flavour or os.environ.get(CPU_FLAVOUR_ENV) or "triton"
+        if requested.lower() not in _FLAVOURS:
+            raise ValueError(f"Pallas CPU flavour must be one of {sorted(_FLAVOURS)} (argument cpu_flavour or "
+                             f"${CPU_FLAVOUR_ENV}), got {requested!r}")
+        return _flavour_backend(_FLAVOURS[requested.lower()], interpret=True)
+    raise NotImplementedError(f"no Pallas attention kernels for platform {platform!r}")

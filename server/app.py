@@ -36,17 +36,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxserve.async_engine import AsyncEngine, EngineDeadError, TokenTimer
-from jaxserve.engine import RequestOutput
+from jaxserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, TokenTimer
+from jaxserve.outputs import RequestOutput
 from jaxserve import __version__
-from jaxserve.sampling import InvalidParameter, SamplingParams
-from jaxserve.tokenizer import ChatTemplateError
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from jaxserve.text.chat_template import ChatTemplateError
 from server import playground
 from server.guards import RequestGuard
 from server.metrics import Metrics
 from server.openapi import openapi_document
 from server.options import ServerOptions
-from server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from server.protocol import ChatCompletionRequest, error_body
 from server.chat import chat_route
 from server.responses import model_card
 from server.completions import completions_route
@@ -54,7 +54,7 @@ from server.errors import APIError, error_response, internal_error, request_id_o
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
 from server.responses_api import delete_response_route, get_response_route, responses_route
-from sharding import multihost
+from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -397,9 +397,8 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        # Stop the engine with the app, where a multi-host leader also releases its follower processes.
+        # Stop the engine with the app (multi-host: the other processes are released and all leave together).
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
-        await asyncio.get_running_loop().run_in_executor(None, multihost.shutdown)
 
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", api.health, methods=["GET"]),

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
 from server.errors import error_response, internal_error, request_id_of
 from server.protocol import CompletionRequest

@@ -6,7 +6,8 @@ from functools import lru_cache
 
 from pydantic.json_schema import models_json_schema
 
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from server.responses_protocol import ResponsesRequest
 
 MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling import InvalidParameter, SamplingParams
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from jaxserve.sampling.grammar import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputsBody(BaseModel):
-    """vLLM's `structured_outputs` field (one constraint; see jaxserve/structured.py)."""
+    """vLLM's `structured_outputs` field (one constraint; see jaxserve/sampling/grammar.py)."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_: dict | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -439,37 +439,6 @@ class ChatCompletionRequest(_Request):
         if self.tools:
             variables["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return variables
-
-
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize body: a prompt, or chat messages rendered by the chat template."""
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise UnsupportedField("prompt", "give exactly one of prompt and messages")
-        return self
-
-    @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
-
-    @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

@@ -13,7 +13,7 @@
 3. A reply whose thinking never closes (cut by max_tokens) is all thinking. The whole-text split is the
    same machine run over the whole text, so streamed and whole replies agree.
 4. Structured outputs and tool calls apply to the answer: the server hands `END` to the grammar as its
-   `reasoning_end` (jaxserve/structured.py), and the tool-call parsers read only the answer text.
+   `reasoning_end` (jaxserve/sampling/grammar.py), and the tool-call parsers read only the answer text.
 """
 
 from __future__ import annotations

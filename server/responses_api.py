@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxserve.async_engine import EngineDeadError
+from jaxserve.entrypoints.async_engine import EngineDeadError
 from server.chat import prepare_chat
 from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
 from server.protocol import ChatCompletionRequest

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
 from server.http_protocol import uvicorn_config

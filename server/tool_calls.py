@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.grammar import StructuredOutputsParams
 from server.tool_parsers import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, get_parser, new_call_id
 
 

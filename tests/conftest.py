@@ -20,7 +20,7 @@ def stories_dir() -> Path:
 @pytest.fixture(scope="session")
 def mapped_stories_dir(stories_dir, tmp_path_factory) -> Path:
     """stories260K converted by `jaxserve convert --format mapped` (the model's own layout, aligned)."""
-    from jaxserve.cli import main as cli_main
+    from jaxserve.entrypoints.cli import main as cli_main
     out = tmp_path_factory.mktemp("ckpt") / "stories260K-mapped"
     assert cli_main(["convert", "--model", str(stories_dir), "--output", str(out), "--format", "mapped"]) == 0
     return out

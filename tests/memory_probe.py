@@ -29,7 +29,7 @@ def main(model_dir: str, tp: int, pp: int) -> None:
     import jax.numpy as jnp
 
     from jaxserve.config import ModelConfig
-    from jaxserve.sharded_model import load_sharded
+    from jaxserve.loader.load import load_sharded
     from sharding import ParallelConfig, make_plan
 
     assert jax.device_count() >= tp * pp, jax.devices()

@@ -7,9 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from jaxserve.bench.cli import main as bench
+from jaxserve.entrypoints.cli import main as jaxserve_main
 from jaxserve.engine_args import EngineArgs
 from tests.server_harness import free_port, running_server, scrape
+
+
+def bench(argv: list[str]) -> int:
+    """`jaxserve bench ...`, in this process."""
+    return jaxserve_main(["bench", *argv])
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +139,7 @@ def test_the_load_generator_does_not_load_the_engine():
     import sys
 
     probe = ("import sys\n"
-             "from jaxserve.cli import build_parser\n"
+             "from jaxserve.entrypoints.cli import build_parser\n"
              "build_parser().parse_args(['bench', 'serve', '--base-url', 'http://127.0.0.1:1'])\n"
              "import jaxserve, jaxserve.bench.serve, jaxserve.bench.datasets, jaxserve.bench.plot\n"
              "print(sorted(m for m in ('jax', 'flax', 'jaxlib') if m in sys.modules))\n")

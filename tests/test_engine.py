@@ -10,30 +10,34 @@ import numpy as np
 import pytest
 
 from jaxserve import Engine, EngineArgs, SamplingParams
-from jaxserve.kv_cache import pages_needed
-from jaxserve.runner import CompilationEvents, ModelRunner
+from jaxserve.scheduling.pages import pages_needed
+from jaxserve.execution.compiler import StepCompiler
+from jaxserve.scheduling.step import SampledTokens, StepPlan
 from tests.page_checks import assert_pages_released
 
 
-class FakeOutput:
-    def __init__(self, plan, samples):
-        self.plan, self.samples = plan, samples
+class FakeLaunched:
+    def __init__(self, step, samples):
+        self.step, self.samples = step, samples
 
-    def tokens(self):
-        return self.samples
+    def sampled(self):
+        return SampledTokens.one_per_row(self.samples, self.step)
 
 
 class FakeRunner:
-    """Stands in for the model runner: answers each sampled chunk from the scripts, and checks the
-    asynchronous contract on every step (pages present, writes only into unshared pages, a token taken
-    from the device names a row of the previous step that sampled for the same request)."""
+    """Stands in for the model runner: answers each sampled span from the scripts, and checks the
+    asynchronous contract on every step (pages present, the page-table changes a step carries rebuild each
+    request's pages, writes only into unshared pages, a token taken from the device names a row of the
+    previous step that sampled for the same request)."""
 
-    def __init__(self, scripts, allocator=None, page_size=4):
+    def __init__(self, scripts, requests, allocator=None, page_size=4):
         self.scripts = scripts
+        self.requests = requests  # the engine's live requests, by key
         self.allocator = allocator  # when given, every write is checked to land in an unshared page
         self.page_size = page_size
         self.steps = []  # per step: [(seed, start, num_tokens, is_prefill)]
         self.fed = {}  # request id -> {position: token id the model was given there}
+        self.tables = {}  # slot -> the pages the steps told it about
         self._last = None  # (plan, samples) of the previous step
 
     def _check_writable(self, pages, positions):
@@ -50,27 +54,32 @@ class FakeRunner:
         return script[step] if step < len(script) else 500
 
     def launch(self, plan, masks=None):
-        samples = np.zeros(len(plan.chunks), np.int32)
+        samples = np.zeros(len(plan.seqs), np.int32)
         record = []
-        for row, chunk in enumerate(plan.chunks):
-            r = chunk.request
-            end = chunk.start + chunk.num_tokens
-            assert len(r.pages) >= pages_needed(end, self.page_size), "a token has no page"
-            self._check_writable(r.pages, range(chunk.start, end))
-            if chunk.token_ids is None:  # fed from the device: the previous step sampled it for r
+        for row, seq in enumerate(plan.seqs):
+            r = self.requests[seq.key]
+            assert seq.epoch == r.epoch and seq.slot == r.slot
+            table = [] if seq.new_in_slot else self.tables[seq.slot]
+            self.tables[seq.slot] = table = table + list(seq.new_pages)
+            assert table == r.pages, "the page-table changes do not add up to the request's pages"
+            end = seq.start + seq.num_tokens
+            assert len(table) >= pages_needed(end, self.page_size), "a token has no page"
+            self._check_writable(table, range(seq.start, end))
+            if seq.token_ids is None:  # fed from the device: the previous step sampled it for r
                 prev_plan, prev_samples = self._last
-                assert prev_plan.chunks[chunk.prev_row].request is r and prev_plan.chunks[chunk.prev_row].samples
-                inputs = [int(prev_samples[chunk.prev_row])]
+                previous = prev_plan.seqs[seq.prev_row]
+                assert previous.key == seq.key and previous.samples
+                inputs = [int(prev_samples[seq.prev_row])]
             else:
-                inputs = list(chunk.token_ids)
-            assert len(inputs) == chunk.num_tokens
-            self.fed.setdefault(r.request_id, {}).update(zip(range(chunk.start, end), inputs))
-            if chunk.samples:
-                samples[row] = self._token(r.seed, chunk.sample_step)
-            record.append((r.seed, chunk.start, chunk.num_tokens, chunk.is_prefill))
+                inputs = list(seq.token_ids)
+            assert len(inputs) == seq.num_tokens
+            self.fed.setdefault(r.request_id, {}).update(zip(range(seq.start, end), inputs))
+            if seq.samples:
+                samples[row] = self._token(r.seed, seq.sample_step)
+            record.append((r.seed, seq.start, seq.num_tokens, seq.is_prefill))
         self.steps.append(record)
         self._last = (plan, samples)
-        return FakeOutput(plan, samples)
+        return FakeLaunched(plan, samples)
 
 
 @pytest.fixture
@@ -79,7 +88,7 @@ def make_engine(stories_dir):
         engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=max_num_seqs, page_size=4,
                                    num_pages=num_pages, max_model_len=max_model_len,
                                    max_num_batched_tokens=budget, **kw))
-        engine.runner = FakeRunner(scripts, engine.scheduler.allocator)
+        engine.runner = FakeRunner(scripts, engine.tracker.requests, engine.scheduler.allocator)
         engine.runner.step_token_limit = budget  # every step program "compiled"
         return engine
     return make
@@ -170,13 +179,13 @@ def test_long_prompt_is_chunked_while_decode_continues(make_engine):
 
 def _arriving_while_the_device_runs(engine, prompt, sampling):
     """Make `prompt` arrive while the engine waits for the step in flight (during its next read)."""
-    read = engine._process
+    read = engine._read
 
-    def read_and_receive(step_output):
-        engine._process = read
+    def read_and_receive(launched):
+        engine._read = read
         engine.add_request(prompt, sampling)
-        return read(step_output)
-    engine._process = read_and_receive
+        return read(launched)
+    engine._read = read_and_receive
 
 
 def test_a_burst_arriving_during_a_prefill_only_step_joins_the_next_step(make_engine):
@@ -265,11 +274,10 @@ def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
 
 def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
     # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
-    from jaxserve.scheduler import StepPlan
     engine = stories_llm.engine
-    assert CompilationEvents.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
+    assert engine.compile_events.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
     before = engine.compilations_since_warmup
-    engine.runner.launch(StepPlan([], 1), with_logits=True).tokens()  # a variant warm-up did not build
+    engine.runner.launch(StepPlan([], 1), with_logits=True).sampled()  # a variant warm-up did not build
     assert engine.compilations_since_warmup > before
 
 
@@ -295,43 +303,44 @@ def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_o
     expected = _run_all(full, prompts)
 
     release = threading.Event()
-    lower = ModelRunner._lower
+    lower = StepCompiler.lower
 
-    def held_back(runner, layout):  # the background part waits until the test has served with one program
-        if runner.ready_buckets:
+    def held_back(compiler, layout):  # the background part waits until the test has served with one program
+        if compiler.ready_buckets:
             assert release.wait(120)
-        return lower(runner, layout)
+        return lower(compiler, layout)
 
-    monkeypatch.setattr(ModelRunner, "_lower", held_back)
+    monkeypatch.setattr(StepCompiler, "lower", held_back)
     engine = Engine(args)
     engine.warmup(background=True)
-    runner = engine.runner
-    assert runner.ready_buckets == (4,) and runner.compile_order()[0] == 4  # holds a decode of all 4 slots
-    assert engine.warmup_report is None and not runner.warmup_done.is_set()
+    runner, compiler = engine.runner, engine.runner.compiler
+    assert compiler.ready_buckets == (4,) and compiler.compile_order()[0] == 4  # holds a decode of all 4 slots
+    assert engine.warmup_report is None and not compiler.warmup_done.is_set()
     assert _run_all(engine, prompts) == expected
     assert engine.compilations_since_warmup == 0
     release.set()
-    assert runner.warmup_done.wait(300)
-    assert runner.ready_buckets == tuple(runner.layouts) and engine.warmup_report.programs == len(runner.layouts)
+    assert compiler.warmup_done.wait(300)
+    assert compiler.ready_buckets == tuple(runner.layouts) and engine.warmup_report.programs == len(runner.layouts)
     assert runner.step_token_limit == 64 and "all_programs" in engine.startup_seconds
     assert _run_all(engine, prompts) == expected
     assert engine.compilations_since_warmup == 0
 
 
 def test_a_bucket_that_fails_to_compile_in_the_background_leaves_the_others_serving(stories_dir, monkeypatch):
-    lower = ModelRunner._lower
+    lower = StepCompiler.lower
 
-    def failing(runner, layout):
+    def failing(compiler, layout):
         if layout.tokens == 16:
             raise RuntimeError("out of compiler memory")
-        return lower(runner, layout)
+        return lower(compiler, layout)
 
-    monkeypatch.setattr(ModelRunner, "_lower", failing)
+    monkeypatch.setattr(StepCompiler, "lower", failing)
     engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64))
     engine.warmup(background=True)
-    assert engine.runner.warmup_done.wait(300)
-    assert engine.runner.ready_buckets == (1, 2, 4, 8, 32, 64) and engine.warmup_report.programs == 6
-    assert engine.runner.layout_for(9).tokens == 32  # a 9..16-token step pads up to the next ready program
+    compiler = engine.runner.compiler
+    assert compiler.warmup_done.wait(300)
+    assert compiler.ready_buckets == (1, 2, 4, 8, 32, 64) and engine.warmup_report.programs == 6
+    assert compiler.layout_for(9).tokens == 32  # a 9..16-token step pads up to the next ready program
     assert len(_run_all(engine, [list(range(3, 14)), [5, 6]])[0]) == 6
     assert engine.compilations_since_warmup == 0
 

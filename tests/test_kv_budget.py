@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve import Engine, EngineArgs
-from jaxserve import kv_budget
-from jaxserve.cli import add_engine_args, engine_args_from
+from jaxserve.execution import kv_budget
+from jaxserve.entrypoints.args import add_engine_args, engine_args_from
 from jaxserve.config import ModelConfig
-from jaxserve.kv_budget import page_bytes, resolve_kv_budget
+from jaxserve.execution.kv_budget import page_bytes, resolve_kv_budget
 
 # stories260K: 5 layers, 4 KV heads, head_dim 8, float32 -> 2 * 5 * 4 * 4 * 8 * 4 = 5120 bytes per page of 4
 PAGE_BYTES = 5120
@@ -30,7 +30,7 @@ def test_page_bytes(config):
 
 
 def test_kv_cache_memory_sizes_the_pool_and_matches_the_device_arrays(stories_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="jaxserve.kv_budget"):
+    with caplog.at_level(logging.INFO, logger="jaxserve.execution.kv_budget"):
         engine = Engine(EngineArgs(model=str(stories_dir), page_size=4, max_model_len=64,
                                    kv_cache_memory=PAGE_BYTES * 40 + 100))
     assert engine.cache_config.num_pages == 40
@@ -63,7 +63,7 @@ def test_memory_fraction_uses_free_device_memory_after_weights(config, monkeypat
 
 def test_memory_fraction_without_device_statistics_falls_back_with_a_log_line(config, monkeypatch, caplog):
     monkeypatch.setattr(kv_budget, "device_free_bytes", lambda: None)  # what the CPU reports
-    with caplog.at_level(logging.WARNING, logger="jaxserve.kv_budget"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.execution.kv_budget"):
         assert budget(config, gpu_memory_utilization=0.9).num_pages == 4 * 16 + 1
     assert "gpu_memory_utilization 0.90 ignored" in caplog.text and "--kv-cache-memory" in caplog.text
 

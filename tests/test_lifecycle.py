@@ -23,7 +23,7 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "te
 def start_server(stories_dir, tmp_path, *extra) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(stories_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--model", str(stories_dir),
                              "--port", str(port), "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
                              "--compilation-cache-dir", "", *extra], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), start_new_session=True)
@@ -67,7 +67,7 @@ def test_defect7_sigterm_drains_streams_and_exits_0(stories_dir, tmp_path, grace
 
 def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monkeypatch):
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.runner import ModelRunner
+    from jaxserve.execution.runner import ModelRunner
     from server.options import ServerOptions
     from server.serve import serve
 
@@ -77,7 +77,7 @@ def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monke
     def failing_launch(self, plan, *args, **kwargs):
         # Once broken, the first step in which both requests decode raises: each is then mid-generation,
         # whichever reached the server first (the plain one's sender is a thread of its own).
-        if broken.is_set() and sum(not chunk.is_prefill for chunk in plan.chunks) == 2:
+        if broken.is_set() and sum(not seq.is_prefill for seq in plan.seqs) == 2:
             raise RuntimeError("device lost: secret internal detail")
         return launch(self, plan, *args, **kwargs)
 

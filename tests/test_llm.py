@@ -42,7 +42,7 @@ def test_story_ends_on_eos_id_1(stories_llm):
 def test_cli_generate_matches_readme(stories_dir, story_text, stories_llm):
     max_tokens = len(stories_llm.get_tokenizer().encode(story_text)) - 5
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-m", "jaxserve.cli", "generate", "--model", str(stories_dir),
+    result = subprocess.run([sys.executable, "-m", "jaxserve", "generate", "--model", str(stories_dir),
                              "--prompt", "Once upon a time", "--max-tokens", str(max_tokens), "--max-num-batched-tokens", "16",
                              "--max-num-seqs", "2", "--stop", "park", "--stop", "ball"],
                             capture_output=True, text=True, env=env, timeout=300)
@@ -56,7 +56,8 @@ def test_cli_generate_matches_readme(stories_dir, story_text, stories_llm):
 
 
 def test_cli_serve_takes_the_model_as_vllm_does_and_generate_takes_stops():
-    from jaxserve.cli import build_parser, engine_args_from
+    from jaxserve.entrypoints.args import engine_args_from
+    from jaxserve.entrypoints.cli import build_parser
     here = str(Path(__file__).parent)
     ns = build_parser().parse_args(["serve", here, "--max-num-seqs", "2"])
     assert engine_args_from(ns).model == here

@@ -1,4 +1,4 @@
-"""Penalties, biases and masks of the step (`jaxserve/logits.py`) against a numpy reference, and their effect
+"""Penalties, biases and masks of the step (`jaxserve/sampling/logits.py`) against a numpy reference, and their effect
 on greedy output end to end."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.logits import ADD_BIAS, ALLOWED, LogitsParams, SamplerState, process, record_tokens
+from jaxserve.sampling.logits import LogitsParams, SamplerState, process, record_tokens
+from jaxserve.sampling.params import ADD_BIAS, ALLOWED
 
 VOCAB, SLOTS, B = 40, 4, 6
 
@@ -68,17 +69,17 @@ def test_process_matches_the_numpy_reference():
             entries.setdefault(t, [0.0, 0])[1] |= ALLOWED
         for j, (t, (v, k)) in enumerate(entries.items()):
             ids[r, j], values[r, j], kinds[r, j] = t, v, k
-    params = LogitsParams(slots=jnp.asarray(slots), fresh=jnp.zeros(rows, jnp.int32),
-                          presence=jnp.asarray(presence, jnp.float32), frequency=jnp.asarray(frequency, jnp.float32),
+    params = LogitsParams(presence=jnp.asarray(presence, jnp.float32), frequency=jnp.asarray(frequency, jnp.float32),
                           repetition=jnp.asarray(repetition, jnp.float32), bias_ids=jnp.asarray(ids),
                           bias_values=jnp.asarray(values), bias_kinds=jnp.asarray(kinds),
                           restrict=jnp.asarray([a is not None for a in allowed], jnp.int32), active=jnp.int32(1))
     state = SamplerState(jnp.asarray(counts), jnp.asarray(in_prompt))
-    got = np.asarray(jax.jit(process)(jnp.asarray(logits), state, params))
+    got = np.asarray(jax.jit(process)(jnp.asarray(logits), state, jnp.asarray(slots), params))
     want = reference(logits, counts[slots], in_prompt[slots], presence, frequency, repetition, bias, allowed)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # Inactive: untouched, whatever the rows say.
-    idle = jax.jit(process)(jnp.asarray(logits), state, params.__class__(**{**params.__dict__, "active": jnp.int32(0)}))
+    idle = jax.jit(process)(jnp.asarray(logits), state, jnp.asarray(slots),
+                            params.__class__(**{**params.__dict__, "active": jnp.int32(0)}))
     np.testing.assert_array_equal(np.asarray(idle), logits)
 
 

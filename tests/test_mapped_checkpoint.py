@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.checkpoint import MARKER, checkpoint_format
-from jaxserve.cli import main as cli_main
+from jaxserve.loader.formats import checkpoint_format, MARKER
+from jaxserve.entrypoints.cli import main as cli_main
 from jaxserve.config import ModelConfig
-from jaxserve.sharded_model import load_sharded
-from jaxserve.weights import load_model, read_header
+from jaxserve.loader.load import load_sharded
+from jaxserve.loader.load import load_model
+from jaxserve.loader.safetensors import read_header
 from sharding import ParallelConfig, make_plan
 
 
@@ -55,7 +56,9 @@ def _odd_sized_hf_checkpoint(directory) -> None:
     from flax import nnx
     from safetensors.numpy import save_file
 
-    from jaxserve.weights import _flatten, hf_tensor_name, random_model
+    from jaxserve.loader.safetensors import hf_tensor_name
+    from jaxserve.loader.tree import flatten
+    from jaxserve.model.registry import random_model
     fixture = Path(__file__).parent / "fixtures" / "parity" / "llama_gqa_untied"
     config = json.loads((fixture / "config.json").read_text()) | {
         "hidden_size": 24, "head_dim": 12, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -65,18 +68,19 @@ def _odd_sized_hf_checkpoint(directory) -> None:
     shutil.copy(fixture / "generation_config.json", directory)
     module = random_model(ModelConfig.from_pretrained(directory), jnp.float32, seed=3)
     tensors = {}
-    for path, value in _flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param))):
+    for path, value in flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param))):
         name, transpose = hf_tensor_name(path)
         tensors[name] = np.ascontiguousarray(np.asarray(value).T if transpose else np.asarray(value))
     save_file(tensors, directory / "model.safetensors")
 
 
 def test_odd_sizes_are_padded_and_a_big_model_spans_files(tmp_path, monkeypatch):
-    from jaxserve import checkpoint
+    from jaxserve.loader import mapped
+    from jaxserve.loader.convert import convert
     hf = tmp_path / "hf"
     _odd_sized_hf_checkpoint(hf)
-    monkeypatch.setattr(checkpoint, "MAPPED_SHARD_BYTES", 8 << 10)  # a few tensors per file
-    checkpoint.convert(hf, tmp_path / "mapped", "float32", format="mapped")
+    monkeypatch.setattr(mapped, "MAPPED_SHARD_BYTES", 8 << 10)  # a few tensors per file
+    convert(hf, tmp_path / "mapped", "float32", format="mapped")
     files = sorted((tmp_path / "mapped").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "mapped" / "model.safetensors.index.json").is_file()
     pads = 0

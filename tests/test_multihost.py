@@ -30,7 +30,7 @@ def _env(devices: int) -> dict:
 
 
 def _start(args: list[str], log: Path, devices: int = 4) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *args], cwd=ROOT, env=_env(devices),
+    return subprocess.Popen([sys.executable, "-m", "jaxserve", *args], cwd=ROOT, env=_env(devices),
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from jaxserve.config import SUPPORTED_MODEL_TYPES, CacheConfig, ModelConfig, SchedulerConfig
-from jaxserve.kv_cache import PageAllocator, pages_needed
-from jaxserve.runner import ModelRunner
-from jaxserve.sampling import SamplingParams
-from jaxserve.scheduler import ScheduledChunk
-from jaxserve.sharded_model import load_sharded
+from jaxserve.scheduling.pages import PageAllocator, pages_needed
+from jaxserve.execution.runner import ModelRunner
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+from jaxserve.loader.load import load_sharded
 from pallas_kernels.dispatch import select_attention_backend
 from sharding import ParallelConfig, make_plan
 
@@ -65,15 +65,15 @@ def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
         for slot, n in ((0, 1), (2, 5)):
             start = other[slot][0]
             if start + n < MAX_LEN:
-                out[slot] = ScheduledChunk.for_sequence(slot, pages[slot], start, rng.integers(0, vocab, n).tolist())
+                out[slot] = ScheduledSeq.for_sequence(slot, pages[slot], start, rng.integers(0, vocab, n).tolist())
                 other[slot][0] += n
         return out
 
     def step(token_ids, start):
-        target = ScheduledChunk.for_sequence(1, pages[1], start, token_ids, params=LOGPROBS)
+        target = ScheduledSeq.for_sequence(1, pages[1], start, token_ids, params=LOGPROBS)
         extra = companions() if mixed else {}
         chunks = [c for c in (extra.get(0), target, extra.get(2)) if c is not None]
-        out = runner.run(chunks)
+        out = runner.run(StepPlan.of(chunks))
         i = chunks.index(target)
         rows, r = out.rows[i], out.results
         positions = range(start, start + len(token_ids))

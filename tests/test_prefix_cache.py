@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxserve.kv_cache import PageAllocator
-from jaxserve.prefix_cache import PrefixCache, extend_page_keys, page_key
+from jaxserve.scheduling.pages import PageAllocator
+from jaxserve.scheduling.prefix_cache import extend_page_keys, page_key, PrefixCache
 
 TOKENS = list(range(100, 120))  # 5 full pages of 4
 

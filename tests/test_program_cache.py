@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import program_cache
-from jaxserve.program_cache import ProgramCache, describe, source_hash
+from jaxserve.execution import program_cache
+from jaxserve.execution.program_cache import describe, ProgramCache, source_hash
 
 
 def _donating_program():
@@ -64,7 +64,7 @@ def test_a_torn_entry_is_compiled_again_not_an_error(tmp_path, caplog):
     cache.store(key, _donating_program())
     path = next(cache.directory.glob("*.program"))
     path.write_bytes(path.read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="jaxserve.program_cache"):
+    with caplog.at_level(logging.WARNING, logger="jaxserve.execution.program_cache"):
         assert cache.load(key, jax.devices()) is None
     assert "unusable" in caplog.text
     assert ProgramCache(None).load(key, jax.devices()) is None  # off: nothing stored, nothing found

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxserve.kv_cache import write_kv
+from jaxserve.model.kv_cache import write_kv
 from jaxserve.quantization import (
     QuantizedWeight,
     default_strategy,

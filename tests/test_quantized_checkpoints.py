@@ -24,7 +24,7 @@ import pytest
 
 from jaxserve.quantization import dequantize_weight, quantized_linear
 from jaxserve.quantization.checkpoints import UnsupportedQuantization, detect_checkpoint_quantization
-from jaxserve.weights import SafetensorsFile
+from jaxserve.loader.safetensors import SafetensorsFile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quantized"
 sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))

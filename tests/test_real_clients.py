@@ -27,7 +27,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from jaxserve.engine_args import EngineArgs
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.grammar import StructuredOutputsParams
 from server.options import DEFAULT_MAX_HEADER_BYTES, ServerOptions
 from server.protocol import ChatCompletionRequest
 from server.tool_calls import tool_choice_spec

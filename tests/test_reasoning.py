@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from jaxserve.engine_args import EngineArgs
-from jaxserve.structured import GrammarCompiler, StructuredOutputsParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.sampling.grammar import GrammarCompiler, StructuredOutputsParams
+from jaxserve.text.tokenizer import Tokenizer
 from server.options import ServerOptions
 from server.reasoning import ReasoningParser, Splitter
 from tests.server_harness import running_server

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxserve import SamplingParams
-from jaxserve.research import Workbench
+from jaxserve.entrypoints.research import Workbench
 
 
 @pytest.fixture(scope="module")

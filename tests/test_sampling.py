@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.sampling import SamplingArrays, sample, seed_words
+from jaxserve.sampling.params import seed_words
+from jaxserve.sampling.sampler import sample, SamplingArrays
 
 VOCAB = 16
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02] + [1e-9] * (VOCAB - 7), np.float32))

@@ -21,8 +21,10 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.cli import build_parser, engine_args_from, main, server_options_from
+from jaxserve.entrypoints.async_engine import AsyncEngine
+from jaxserve.entrypoints.args import engine_args_from
+from jaxserve.entrypoints.cli import build_parser, main
+from server.cli import server_options_from
 from server.app import build_app
 from server.metrics import VLLM_NAMES
 from server.http_protocol import uvicorn_config

@@ -240,7 +240,7 @@ def test_mixed_workload_never_recompiles_and_leaks_nothing(server):
 def test_health_is_503_until_warm():
     from starlette.testclient import TestClient
 
-    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.entrypoints.async_engine import AsyncEngine
     from server.app import build_app
 
     with TestClient(build_app(AsyncEngine(EngineArgs()))) as http:  # never started: still "loading"

@@ -83,7 +83,7 @@ def test_one_device_plan_and_bad_sizes():
 def test_docs_name_real_flags_and_process_0_serving():
     import argparse
 
-    from jaxserve.cli import add_engine_args
+    from jaxserve.entrypoints.args import add_engine_args
 
     doc = (ROOT / "docs" / "sharding.md").read_text()
     parser = argparse.ArgumentParser()

@@ -15,10 +15,9 @@ import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import CompilationEvents
-from jaxserve.logits import apply_token_masks
-from jaxserve.sampling import InvalidParameter
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.sampling.logits import apply_token_masks
+from jaxserve.errors import InvalidParameter
+from jaxserve.sampling.grammar import StructuredOutputsParams
 
 PERSON = {
     "type": "object",
@@ -132,12 +131,12 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(stories1
     plain = [SamplingParams(temperature=0.8, seed=s, max_tokens=40) for s in range(4)]
     prompts = ["Once upon a time", "The dog", "Lily saw", "One day"]
     alone = [o.outputs[0].token_ids for o in stories16.generate(prompts, plain)]
-    compiled = CompilationEvents.lowered
+    compiled = engine.compile_events.lowered
     constrained = [SamplingParams(temperature=1.0, max_tokens=160, structured_outputs=spec)
                    for spec, _ in CASES.values()] * 2
     mixed = stories16.generate(prompts + prompts * 2, plain + constrained)
     assert [o.outputs[0].token_ids for o in mixed[:4]] == alone
-    assert CompilationEvents.lowered == compiled  # masks are one more input of the same programs
+    assert engine.compile_events.lowered == compiled  # masks are one more input of the same programs
     for out, (spec, check) in zip(mixed[4:], list(CASES.values()) * 2):
         assert _quiet(check, out.outputs[0].text), (spec.kind, out.outputs[0].text)
     assert engine.scheduler.allocator.num_in_use == 0
@@ -207,7 +206,7 @@ def test_a_grammar_past_the_work_limits_is_refused(stories16):
         stories16.engine.validate([1, 2], SamplingParams(structured_outputs=spec))
 
 
-# ---- strict JSON Schemas (jaxserve/json_schema.py) ---------------------------------------------------------
+# ---- strict JSON Schemas (jaxserve/sampling/json_schema.py) ---------------------------------------------------------
 
 PET = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name"]}
 PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}

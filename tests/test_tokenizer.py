@@ -13,7 +13,8 @@ import time
 import pytest
 import tokenizers
 
-from jaxserve.tokenizer import ChatTemplateError, Tokenizer, _compile_template
+from jaxserve.text.chat_template import ChatTemplateError, compile_template
+from jaxserve.text.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 ONCE = [1, 403, 407, 261, 378]  # "Once upon a time" with BOS
@@ -346,9 +347,9 @@ def test_chat_template_renders(tok):
 def test_chat_template_is_compiled_once(tok):
     source = "{% for m in messages %}{{ m.content }}{% endfor %} #once"
     tok.apply_chat_template([], chat_template=source)
-    before = _compile_template.cache_info()
+    before = compile_template.cache_info()
     tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template=source)
-    after = _compile_template.cache_info()
+    after = compile_template.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
 
 

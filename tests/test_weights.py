@@ -13,7 +13,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights import SafetensorsFile, SafetensorsReader, copy_transposed, load_model, resolve_dtype
+from jaxserve.loader.dtypes import resolve_dtype
+from jaxserve.loader.load import load_model
+from jaxserve.loader.safetensors import copy_transposed, SafetensorsFile, SafetensorsReader
 from sharding.loading import SMALL_PAGES_FROM, host_buffer
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shlex
-import sys
 from pathlib import Path
+
+from jaxserve.entrypoints.args import add_engine_args, engine_args_from
 
 
 def _floats(text: str) -> list[float]:
@@ -58,7 +58,6 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=_plot)
 
-    from jaxserve.cli import add_engine_args
     for name, helptext in (("latency", "batch latency of prefill and decode through LLM"),
                            ("throughput", "offline throughput of LLM over many prompts")):
         o = kinds.add_parser(name, help=helptext)
@@ -163,8 +162,7 @@ def _offline(ns) -> int:
     import dataclasses
 
     from jaxserve.bench import offline
-    from jaxserve.cli import engine_args_from
-    from jaxserve.llm import LLM
+    from jaxserve.entrypoints.llm import LLM
     llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
     if ns.bench_command == "latency":
         result = offline.latency(llm, ns.batch_size, ns.input_len, ns.output_len, ns.num_iters,
@@ -182,12 +180,3 @@ def _offline(ns) -> int:
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=1))
     return 0
-
-
-def main(argv: list[str]) -> int:  # for tests: the same as `jaxserve bench ...`
-    from jaxserve.cli import main as jaxserve_main
-    return jaxserve_main(["bench", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

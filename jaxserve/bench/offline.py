@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling.params import SamplingParams
 
 
 def _prompts(llm, n: int, input_len: int, seed: int) -> list[list[int]]:

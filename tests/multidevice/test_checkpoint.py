@@ -8,10 +8,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.checkpoint import MARKER, PARAMS_DIR
-from jaxserve.cli import main as cli_main
+from jaxserve.loader.formats import MARKER
+from jaxserve.loader.orbax import PARAMS_DIR
+from jaxserve.entrypoints.cli import main as cli_main
 from jaxserve.config import ModelConfig
-from jaxserve.sharded_model import load_sharded
+from jaxserve.loader.load import load_sharded
 from sharding import ParallelConfig, make_plan
 
 PROMPTS = ["Once upon a time", "", "The cat sat on"]

@@ -90,7 +90,7 @@ def test_a_restart_on_a_mesh_loads_its_programs_and_matches_one_device(stories_d
                                                                         monkeypatch):
     """Programs split over tensor and pipeline parallel devices come back from the program cache on the
     devices they were compiled for, and compute what one device computes."""
-    from jaxserve.program_cache import ProgramCache
+    from jaxserve.execution.program_cache import ProgramCache
     monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
     for restart in (False, True):
         # Two step programs (not six): the test is about loading them, and each compiles for seconds.

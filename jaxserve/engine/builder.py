@@ -1,0 +1,130 @@
+"""Model construction: `EngineArgs` -> a model on its device mesh, with everything the engine needs.
+
+1. `build_model` creates the device mesh (tensor x pipeline parallel, joining `jax.distributed` first
+   when asked) and loads the weights straight onto it (Hugging Face safetensors or a checkpoint written
+   by `jaxserve convert`); `_finish_build` resolves the rest: context length, token budget and buckets
+   of a step, attention backend, and — once the weights are on the device — the KV page pool
+   (`kv_budget`: pages, bytes, or a fraction of the free device memory).
+2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
+   weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
+   says what it is; its text is noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import jax
+
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.engine_args import EngineArgs
+from jaxserve.execution.kv_budget import resolve_kv_budget
+from jaxserve.loader.dtypes import resolve_dtype
+from jaxserve.loader.formats import open_checkpoint
+from jaxserve.loader.load import load_weights
+from jaxserve.loader.placement import ModuleReader, ShardedModel
+from jaxserve.model.registry import random_model
+from jaxserve.text.tokenizer import Tokenizer
+from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
+from sharding import make_plan
+from sharding.multihost import initialize as initialize_distributed
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_NAME = "jaxserve-demo-random"
+
+
+def demo_model_config() -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=Tokenizer.byte_level().vocab_size, hidden_size=128,
+                       intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    name: str
+    model: ShardedModel
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    dtype: object
+    attention: AttentionBackend
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    sampler_config: SamplerConfig
+    weights_seconds: float = 0.0  # reading (or building) the weights onto the devices
+
+
+def default_token_budget(max_num_seqs: int, platform: str) -> int:
+    """vLLM's chunked-prefill budget on accelerators; on a CPU a smaller one keeps a long prefill from
+    stalling the running streams for long (a step's time grows with its tokens there)."""
+    return max(max_num_seqs, 512 if platform == "cpu" else 2048)
+
+
+def build_model(args: EngineArgs) -> BuiltModel:
+    demo = args.model is None
+    config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
+    plan = _mesh_plan(args, config)
+    start = time.perf_counter()
+    # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
+    dtype = resolve_dtype("float32" if demo and args.dtype == "auto" else args.dtype, config)
+    if demo:
+        logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
+                       "tokenizer; its output is noise)", DEMO_MODEL_NAME)
+    # The tokenizer first: a wrong one is refused before the weights are read.
+    tokenizer = (Tokenizer.byte_level() if demo else
+                 Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model))
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocabulary of {config.vocab_size}")
+    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
+    model = load_weights(reader, config, dtype, plan)
+    name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
+    built = _finish_build(args, name, model, config, tokenizer, dtype)
+    return dataclasses.replace(built, weights_seconds=time.perf_counter() - start)
+
+
+def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,
+                      dtype) -> BuiltModel:
+    """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
+    shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
+    model = load_weights(ModuleReader(module), config, dtype, _mesh_plan(args, config))
+    return _finish_build(args, name, model, config, tokenizer, dtype)
+
+
+def _mesh_plan(args: EngineArgs, config: ModelConfig):
+    # Before anything touches a device: afterwards jax.devices() lists every host's devices.
+    initialize_distributed(args.distributed_coordinator, args.num_processes, args.process_id)
+    plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    logger.info("%s", plan.describe())
+    return plan
+
+
+def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer,
+                  dtype) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh."""
+    attention = select_attention_backend(args.attention_backend)
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
+                                             default_token_budget(args.max_num_seqs, jax.default_backend()))
+    scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+                                       max_num_batched_tokens=budget, token_buckets=args.token_buckets)
+    logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
+                jax.numpy.dtype(dtype).name, attention.name)
+    # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.
+    budget = resolve_kv_budget(config, dtype, page_size=args.page_size, max_model_len=max_model_len,
+                               max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
+                               kv_cache_memory=args.kv_cache_memory,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+    return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
+                      tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
+                      cache_config=CacheConfig(page_size=args.page_size, num_pages=budget.num_pages,
+                                               enable_prefix_caching=args.enable_prefix_caching),
+                      sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
+                                                   max_logit_bias=args.max_logit_bias))

@@ -1,0 +1,217 @@
+"""The engine loop: schedule a step, launch it on the device, advance requests by the step before.
+
+1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
+   before anything is allocated) and queues its choices. Additions and aborts from other threads land in
+   an inbox that the next `step` drains, so only the engine thread ever mutates request state.
+2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
+   then, while the device runs it, reads the draws of the step before and hands them to
+   `update_from_output` (`jaxserve/scheduling/update.py`), the one place that advances requests. The
+   host thus prepares step N+1 while the device runs step N; a draw for a request that finished
+   meanwhile is discarded.
+3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
+   is finished, the whole result.
+4. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
+   the same code everywhere, and its caller wraps each call in `call`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+import uuid
+from typing import Callable, Sequence, TypeVar
+
+import jax.numpy as jnp
+
+from jaxserve.engine.builder import BuiltModel, build_model
+from jaxserve.engine_args import EngineArgs
+from jaxserve.execution.compile_events import CompileEvents
+from jaxserve.execution.compiler import WarmupReport
+from jaxserve.execution.relay import runner_for_this_process
+from jaxserve.execution.runner import LaunchedStep
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling.grammar import GrammarCompiler
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduling.scheduler import Scheduler
+from jaxserve.scheduling.stats import EngineStats
+from jaxserve.scheduling.update import RequestTracker
+from jaxserve.scheduling.validation import validate_request
+from sharding import multihost
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Engine:
+    def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
+        """`built`: a model assembled by the caller (`builder.build_from_module`); default: `build_model(args)`."""
+        started = time.perf_counter()
+        self.args = args
+        built = built or build_model(args)
+        self.model_config = built.model_config
+        self.tokenizer = built.tokenizer
+        self.model_name = built.name
+        self.scheduler_config = built.scheduler_config
+        self.cache_config = built.cache_config
+        self.sampler_config = built.sampler_config
+        self.plan = built.model.plan
+        self.compile_events = CompileEvents()
+        self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
+                                              built.scheduler_config, built.attention, built.dtype,
+                                              built.sampler_config, self.compile_events)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
+        self.stats = EngineStats()
+        self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
+                                      self.scheduler_config.max_model_len)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
+        self.compilations_at_warmup: int | None = None
+        # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
+        self.startup_seconds = {"weights": built.weights_seconds}
+        self._started = started
+        self.step_count = 0
+        # Steps between an abort() call and the step that freed the request: the latency tests assert on.
+        self.abort_latencies: collections.deque[int] = collections.deque(maxlen=1000)
+        logger.info("model %s: %s, %d layers, dtype %s, attention %s, KV cache %d pages x %d tokens "
+                    "(%.1f MB), prefix caching %s, %d slots, max_model_len %d", self.model_name,
+                    self.model_config.model_type, self.model_config.num_layers, jnp.dtype(built.dtype).name,
+                    built.attention.name, self.cache_config.num_pages, self.cache_config.page_size,
+                    self.runner.kv_abstract.num_bytes / 1e6,
+                    "on" if self.cache_config.enable_prefix_caching else "off",
+                    self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+        self.startup_seconds["kv_cache"] = time.perf_counter() - started - built.weights_seconds
+
+    # ---- warm-up, compile accounting, the caller's calls ------------------------------------------------
+
+    def warmup(self, background: bool = False) -> float:
+        """Compile every step program. With `background`, return once one program can run any step and
+        compile the others while serving; `startup_seconds["all_programs"]` and `warmup_report` appear
+        when they are done."""
+        start = time.perf_counter()
+
+        def done(report: WarmupReport | None) -> None:
+            self.startup_seconds["all_programs"] = time.perf_counter() - self._started
+
+        self.runner.warmup(background=background, on_done=done)
+        self.compilations_at_warmup = self.compile_events.lowered
+        self.startup_seconds["compile"] = time.perf_counter() - start
+        self.startup_seconds["total"] = time.perf_counter() - self._started
+        pending = len(self.runner.layouts) - len(self.runner.ready_buckets)
+        logger.info("ready in %.1fs: weights %.1fs, KV cache %.1fs, compilation %.1fs%s",
+                    *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
+                    f" ({pending} more step programs compiling in the background)" if pending else "")
+        return time.perf_counter() - start
+
+    @property
+    def warmup_report(self) -> WarmupReport | None:
+        """What warm-up compiled (None until every program is done, and on follower processes)."""
+        return self.runner.warmup_report
+
+    @property
+    def compilations_since_warmup(self) -> int:
+        if self.compilations_at_warmup is None:
+            return 0
+        return self.compile_events.lowered - self.compilations_at_warmup
+
+    def call(self, work: Callable[[], T], on_follower: T = None) -> T:
+        """Run one call of this engine's caller (an `LLM.generate`). In a multi-host run the other processes
+        run its device steps meanwhile and get `on_follower`; in a single process this is `work()`."""
+        return self.runner.call(work, on_follower)
+
+    def release(self) -> None:
+        """The caller is done stepping (a server shutting down): multi-host, the other processes return."""
+        self.runner.release()
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the parameter; allocates nothing."""
+        suppressed = self.tracker.suppressed_ids(params) if isinstance(params, SamplingParams) else ()
+        validate_request(prompt_ids, params, model=self.model_config, scheduler=self.scheduler_config,
+                         sampler=self.sampler_config, suppressed_ids=suppressed, grammars=self.grammars)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    prompt: str | None = None) -> str:
+        """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
+        `index` 0..n-1 under this one id. Returns the id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.validate(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request, every choice of it (thread-safe); slots and pages are freed at the next step."""
+        self._inbox.put(("abort", (request_id, self.step_count)))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached page no request is using; returns how many. Call it from the thread that
+        steps the engine (or offline), never while another thread is inside `step`."""
+        return self.scheduler.reset_prefix_cache()
+
+    def has_unfinished(self) -> bool:
+        return self.tracker.has_unfinished() or not self._inbox.empty() or self._in_flight is not None
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if kind == "add":
+                self.tracker.add(item)
+            else:
+                request_id, asked_at_step = item
+                aborted = self.tracker.abort(request_id)
+                if aborted:
+                    self.abort_latencies.append(self.step_count - asked_at_step)
+                outputs.extend(aborted)
+
+    # ---- the iteration ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self.step_count += 1
+        outputs = self._drain_inbox()
+        if self._in_flight is not None and (self._in_flight.step.prefill_only or self.scheduler.waits_for_draws()):
+            # Read the step in flight before planning the next one, in two cases (the device idles for the
+            # planning meanwhile):
+            # - It only prefills. Requests arrive in bursts spread over milliseconds (a client's wave, or
+            #   a batch job starting), and the first of them finds the engine idle and starts a step alone.
+            #   Planned at once, the next step would hold only that request's first decode, and the rest
+            #   of the burst would wait for two steps, one of them a prefill. Planned after it, the next
+            #   step takes them all; and no decode waits on the planning, since none is running.
+            # - A sequence's next span depends on its pending draw: a constrained sequence's next mask
+            #   needs the token (unconstrained traffic alone never takes this path).
+            outputs.extend(self._read(self._in_flight))
+            self._in_flight = None
+            outputs.extend(self._drain_inbox())
+        plan = self.scheduler.schedule(self.runner.step_token_limit)  # lower while programs still compile
+        launched = None
+        if not plan.empty:
+            launched = self.runner.launch(plan, masks=self.tracker.grammar_masks(plan))
+            self.stats.count_step(plan)
+        # While the device runs the step just launched, advance requests by the one before it.
+        if self._in_flight is not None:
+            outputs.extend(self._read(self._in_flight))
+        self._in_flight = launched
+        return outputs
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        return self.tracker.update_from_output(launched.step, launched.sampled())
+
+
+def serve_as_follower(args: EngineArgs) -> bool:
+    """Multi-host, on a process other than 0: build the engine, run process 0's device steps until it shuts
+    down, and return True. On process 0 and in a single-process run, return False at once (the caller
+    serves)."""
+    if not multihost.initialize(args.distributed_coordinator, args.num_processes, args.process_id) \
+            or multihost.is_leader():
+        return False
+    engine = Engine(args)
+    engine.warmup()
+    engine.call(lambda: None)  # the server's lifetime on process 0
+    return True

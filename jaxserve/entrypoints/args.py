@@ -1,0 +1,82 @@
+"""Engine options on the command line: the argument groups every engine-running command shares
+(`generate`, `serve`, `bench latency|throughput`) and their translation into `EngineArgs`.
+
+No JAX here: parsers are built (and `--help` printed) without loading the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxserve.engine_args import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a directory with the tokenizer (tokenizer.json, tokenizer_config.json, chat template) "
+                        "to use instead of the model's")
+    g.add_argument("--revision", default=None,
+                   help="refused: a Hugging Face Hub revision; jaxserve serves local directories, so check out "
+                        "the revision you want and pass its directory")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs, help="sequences running at once")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--page-size", "--block-size", type=int, default=EngineArgs.page_size,
+                   help="tokens per KV page (--block-size is vLLM's name for it)")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
+    g.add_argument("--kv-cache-memory", type=int, default=None,
+                   help="bytes for the KV cache; the page count follows (instead of --num-pages)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device memory left free by the weights to give the KV cache "
+                        "(devices without memory statistics, such as the CPU, keep the default)")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the KV pages of prompt prefixes seen before (the default)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="recompute every prompt from its first token")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step: a token per running sequence plus prefill chunks "
+                        "(default: 512 on CPU, 2048 on GPU/TPU)")
+    g.add_argument("--token-buckets", default=None,
+                   help="comma-separated token counts a step is padded to, one compiled program each "
+                        "(default: 1,2,4,... up to --max-num-batched-tokens)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
+                   help="top logprobs a request may ask for, per sampled and per prompt token")
+    g.add_argument("--max-logit-bias", type=int, default=EngineArgs.max_logit_bias,
+                   help="logit_bias / allowed_token_ids entries a request may carry")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="sampling defaults: 'auto' takes the model's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens); 'vllm' uses none")
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("device mesh and multi-host")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices that split each layer (attention heads, MLP columns, vocabulary)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages, each a contiguous block of layers")
+    g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
+                   help="process 0's address for jax.distributed ('auto': detect Cloud TPU / SLURM / MPI; "
+                        "default: $JAX_COORDINATOR_ADDRESS or single-process)")
+    g.add_argument("--num-processes", type=int, default=None, help="default: $JAX_NUM_PROCESSES")
+    g.add_argument("--process-id", type=int, default=None, help="default: $JAX_PROCESS_ID")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    if getattr(ns, "revision", None) is not None:
+        raise ValueError(f"--revision {ns.revision}: jaxserve loads local directories, not the Hugging Face Hub; "
+                         f"download that revision (e.g. `hf download MODEL --revision {ns.revision} --local-dir "
+                         f"DIR`) and pass --model DIR")
+    if getattr(ns, "model_tag", None):  # `jaxserve serve MODEL`, as vllm serve takes it
+        if ns.model not in (None, ns.model_tag):
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
+    kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    if kwargs.get("token_buckets"):
+        kwargs["token_buckets"] = tuple(int(b) for b in kwargs["token_buckets"].split(","))
+    return EngineArgs(**kwargs)

@@ -1,0 +1,111 @@
+"""Offline inference in vLLM's shape: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+It runs on the same engine and scheduler as the server: all prompts are queued at once and batched
+continuously, and the results come back in prompt order.
+
+Multi-host (`distributed_coordinator=...`): run the same script on every host. Process 0's calls do the
+work and return the outputs; on the other processes each call runs process 0's device steps for that
+call and returns an empty list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine_args import EngineArgs, sampling_defaults
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling.params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        """`model`: a Hugging Face model directory or an Orbax checkpoint from `jaxserve convert` (None:
+        the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
+        max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
+        enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id."""
+        self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
+        self.engine.warmup()
+        self._defaults = sampling_defaults(model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: the model's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), else the engine's defaults."""
+        return SamplingParams(**self._defaults)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (returns how many pages were evicted)."""
+        return self.engine.reset_prefix_cache()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        tokenizer = self.engine.tokenizer
+        encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
+        for (_, ids), params in zip(encoded, sampling_params):
+            self.engine.validate(ids, params)
+        return self._run([self.engine.add_request(ids, params, prompt=text)
+                          for (text, ids), params in zip(encoded, sampling_params)],
+                         [params.n for params in sampling_params], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+
+        def chat() -> list[RequestOutput]:
+            prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                                      chat_template=chat_template),
+                                        add_special_tokens=False) for c in conversations]
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+        return self.engine.call(chat, on_follower=[])
+
+    def _run(self, request_ids: list[str], choices: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every choice of every request is finished; one RequestOutput per request, its
+        `outputs` holding every choice in index order (vLLM's shape)."""
+        done: dict[str, list[RequestOutput]] = {i: [] for i in request_ids}
+        prompt_logprobs: dict[str, list] = {}
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+            remaining = len(request_ids)
+            while remaining:
+                for output in self.engine.step():
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[output.request_id] = output.prompt_logprobs
+                    if output.finished:
+                        finals = done[output.request_id]
+                        finals.append(output)
+                        if len(finals) == choices[request_ids.index(output.request_id)]:
+                            remaining -= 1
+                            bar.update()
+        results = []
+        for request_id in request_ids:
+            finals = sorted(done[request_id], key=lambda o: o.index)
+            result = dataclasses.replace(finals[0], outputs=[o.outputs[0] for o in finals], index=0,
+                                         prompt_logprobs=prompt_logprobs.get(request_id))
+            results.append(result)
+        return results

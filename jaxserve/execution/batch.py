@@ -1,0 +1,167 @@
+"""The device batch of one ragged step: its fields, and how the host fills them from a `StepPlan`.
+
+1. A step holds `T` new tokens (padded to a bucket) of at most `S` sequences, contiguous per sequence
+   (`cu_q_lens`). `StepBatch` declares every field with its shape in those dimensions; `BatchLayout`
+   fixes them for one (tokens, seqs) bucket pair, and its `Packing` (`jaxserve/packing.py`) derives the
+   two flat transfer buffers (int32 and float32) from the declarations: one transfer each per step, and
+   one broadcast each to the follower processes of a multi-host run.
+2. `BatchBuilder.build` fills the fields from the plan's sequences with numpy, vectorised over them:
+   fields that name a per-sequence `source` are copied generically, the ragged ones (positions, KV
+   slots, page tables, bias lists) are computed here. It keeps a per-slot mirror of the page tables,
+   updated by the page-table changes each step carries, so host work per step follows what changed,
+   not context length.
+3. Inside the jitted step, `BatchLayout.unpack` slices the buffers back into a `StepBatch` (static
+   offsets: free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxserve.packing import Packing, leaf_at, packed, per_seq, per_token
+from jaxserve.sampling.logits import LogitsParams
+from jaxserve.sampling.params import ADD_BIAS
+from jaxserve.sampling.sampler import SamplingArrays
+from jaxserve.scheduling.pages import NULL_PAGE
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepBatch:
+    """One step's inputs. Dimensions: T tokens, S sequence rows, P pages per sequence, B bias entries per
+    row, R the sampler-state row of padding (the scratch slot). A new per-sequence input is one line here."""
+    tokens: jax.Array = per_token()  # [T] int32 new token ids (0 for padding, and where from_prev says otherwise)
+    from_prev: jax.Array = per_token(fill=-1)  # [T] int32 row of the previous step's samples; -1: use tokens
+    positions: jax.Array = per_token()  # [T] int32 position of each token in its sequence (0 for padding)
+    write_index: jax.Array = per_token()  # [T] int32 flat KV slot (page * page_size + offset); padding: null page
+    token_kind: jax.Array = per_token()  # [T] int32 0 padding, 1 prompt token, 2 output token (sampler state)
+    prompt_target: jax.Array = per_token(fill=-1)  # [T] int32 the prompt token after this one (logprobs); -1: none
+    cu_q_lens: jax.Array = packed("S+1")  # [S + 1] int32 first token row of each sequence; padding rows are empty
+    kv_lens: jax.Array = per_seq()  # [S] int32 tokens in the cache per sequence after this step; 0 for padding
+    page_tables: jax.Array = packed("S,P")  # [S, P] int32 page ids per sequence (null page beyond its length)
+    sample_index: jax.Array = per_seq()  # [S] int32 row of each sequence's last token, whose logits are sampled
+    slots: jax.Array = per_seq(fill="R", source="slot")  # [S] int32 sampler-state row (padding: the scratch row)
+    fresh: jax.Array = per_seq(source="first_chunk")  # [S] int32 1 where that row's state starts over
+    # [S] int32 top logprobs wanted for the drawn token; -1: none at all
+    logprobs: jax.Array = per_seq(fill=-1, source=lambda seq: -1 if seq.params.logprobs is None or not seq.samples
+                                  else seq.params.logprobs)
+    constrained: jax.Array = packed("")  # [] int32 1 when some row's draw is limited by a grammar mask
+    sampling: SamplingArrays  # [S] rows
+    processing: LogitsParams  # [S] rows, filled when some row processes its logits
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """The shapes of one step program: a static argument of the jitted step (hashable, compared by value)."""
+    tokens: int  # T: the token bucket
+    seqs: int  # S: sequence rows
+    max_pages: int  # P
+    bias_entries: int  # B: logit-bias / allowed-token entries per row
+    scratch_slot: int  # R: the sampler-state row padding rows use (max_num_seqs)
+
+    @functools.cached_property
+    def packing(self) -> Packing:
+        return Packing(StepBatch, {"T": self.tokens, "S": self.seqs, "P": self.max_pages, "B": self.bias_entries,
+                                   "R": self.scratch_slot})
+
+    @functools.cached_property
+    def sources(self) -> tuple[list, list]:
+        """The per-sequence fields the builder copies generically: (always, only when logits are processed)."""
+        return self.packing.sourced() + self.packing.sourced("sampling"), self.packing.sourced("processing")
+
+    def empty(self) -> tuple[np.ndarray, np.ndarray]:
+        """A batch with no sequences: every token is padding writing to the null page (warm-up, followers)."""
+        return self.packing.empty()
+
+    def unpack(self, ints: jax.Array, floats: jax.Array) -> StepBatch:
+        """Inside the jitted step: the buffers as a StepBatch."""
+        return self.packing.unpack(ints, floats)
+
+
+class BatchBuilder:
+    """Host side of the step batch; owned by the runner, called from the engine thread only."""
+
+    def __init__(self, max_num_seqs: int, max_pages: int, page_size: int):
+        self.max_pages = max_pages
+        self.page_size = page_size
+        self.tables = np.full((max_num_seqs, max_pages), NULL_PAGE, np.int32)  # each slot's pages
+        self._synced = [0] * max_num_seqs  # pages of the slot's occupant copied into its row
+
+    def _sync_pages(self, seq: ScheduledSeq) -> None:
+        slot = seq.slot
+        if seq.new_in_slot:  # a new occupant (or the same request re-admitted after preemption)
+            self.tables[slot] = NULL_PAGE
+            self._synced[slot] = 0
+        if seq.new_pages:
+            done = self._synced[slot]
+            self.tables[slot, done:done + len(seq.new_pages)] = seq.new_pages
+            self._synced[slot] = done + len(seq.new_pages)
+
+    def build(self, step: StepPlan, layout: BatchLayout, constrained: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        seqs = step.seqs
+        n = len(seqs)
+        ints, floats = layout.empty()
+        b: StepBatch = layout.packing.views(ints, floats)
+        b.constrained[...] = constrained
+        if not n:
+            return ints, floats
+        for seq in seqs:
+            self._sync_pages(seq)
+        lens = np.fromiter((s.num_tokens for s in seqs), np.int32, n)
+        starts = np.fromiter((s.start for s in seqs), np.int32, n)
+        slots = np.fromiter((s.slot for s in seqs), np.int32, n)
+        cu = b.cu_q_lens
+        np.cumsum(lens, out=cu[1:n + 1])
+        total = int(cu[n])
+        cu[n + 1:] = total
+        seq_of = np.repeat(np.arange(n), lens)  # the sequence of each real token
+        positions = starts[seq_of] + (np.arange(total, dtype=np.int32) - cu[seq_of])
+        b.positions[:total] = positions
+        pages = self.tables[slots[seq_of], positions // self.page_size]
+        b.write_index[:total] = pages * self.page_size + positions % self.page_size
+        prompt_lens = np.fromiter((s.num_prompt_tokens for s in seqs), np.int32, n)
+        b.token_kind[:total] = np.where(positions < prompt_lens[seq_of], 1, 2)
+        tokens: list[int] = []
+        for seq in seqs:
+            if seq.token_ids is None:  # the token is still on the device: the step reads it there
+                b.from_prev[len(tokens)] = seq.prev_row
+                tokens.append(0)
+            else:
+                tokens.extend(seq.token_ids)
+        b.tokens[:total] = tokens
+        b.kv_lens[:n] = starts + lens
+        b.sample_index[:n] = cu[1:n + 1] - 1
+        b.page_tables[:n] = self.tables[slots]
+        always, processing = layout.sources
+        for path, get in always:
+            leaf_at(b, path)[:n] = [get(s) for s in seqs]
+        if any(s.params.processes_logits for s in seqs):
+            b.processing.active[...] = 1
+            for path, get in processing:
+                leaf_at(b, path)[:n] = [get(s) for s in seqs]
+            self._bias_entries(seqs, b.processing)
+        for i, seq in enumerate(seqs):
+            if seq.prompt_targets:
+                b.prompt_target[cu[i]:cu[i] + len(seq.prompt_targets)] = seq.prompt_targets
+        return ints, floats
+
+    @staticmethod
+    def _bias_entries(seqs: list[ScheduledSeq], p: LogitsParams) -> None:
+        """Each row's static bias entries, plus -inf on its EOS and stop tokens while the token being drawn
+        is one of its first `min_tokens`."""
+        for i, seq in enumerate(seqs):
+            ids, values, kinds = seq.bias
+            count = len(ids)
+            p.bias_ids[i, :count] = ids
+            p.bias_values[i, :count] = values
+            p.bias_kinds[i, :count] = kinds
+            masked = seq.suppress_ids
+            if masked:
+                p.bias_ids[i, count:count + len(masked)] = masked
+                p.bias_values[i, count:count + len(masked)] = -np.inf
+                p.bias_kinds[i, count:count + len(masked)] = ADD_BIAS

@@ -1,0 +1,86 @@
+"""KV memory budget: how many pages the cache gets, decided once at start, after the weights are loaded.
+
+1. One page costs K and V for every layer: 2 * layers * kv_heads * page_size * head_dim * itemsize bytes.
+2. The pool comes from the first of: `num_pages` (exact), `kv_cache_memory` (bytes),
+   `gpu_memory_utilization` (that fraction of the device memory still free once the weights are on it,
+   from `memory_stats()`), else the default of every decode slot at full context. A device without
+   memory statistics (the CPU) cannot honour a fraction: the default is used and the log says so.
+3. A pool that cannot hold one full-context sequence (plus the null page) is refused with a ValueError
+   naming the option, since such a server would reject or stall its longest requests forever.
+4. The capacity is logged in pages, tokens, bytes and full-context sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.scheduling.pages import pages_needed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBudget:
+    num_pages: int  # page 0 (the null page) included
+    page_bytes: int
+    source: str  # which option decided it, for the log and error messages
+
+
+def page_bytes(config: ModelConfig, page_size: int, dtype) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim * np.dtype(dtype).itemsize
+
+
+def device_free_bytes() -> int | None:
+    """Bytes the first device can still allocate (limit minus in use), or None without statistics."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def resolve_kv_budget(config: ModelConfig, dtype, *, page_size: int, max_model_len: int, max_num_seqs: int,
+                      num_pages: int | None = None, kv_cache_memory: int | None = None,
+                      gpu_memory_utilization: float | None = None) -> KVBudget:
+    """The page pool for these options (see the module docstring); raises ValueError if it is too small."""
+    per_page = page_bytes(config, page_size, dtype)
+    full_context_pages = pages_needed(max_model_len, page_size)
+    default = max_num_seqs * full_context_pages + 1
+    if num_pages is not None and kv_cache_memory is not None:
+        raise ValueError("num_pages and kv_cache_memory both size the KV cache: give one of them")
+    if num_pages is not None:
+        budget = KVBudget(num_pages, per_page, f"num_pages {num_pages}")
+    elif kv_cache_memory is not None:
+        budget = KVBudget(kv_cache_memory // per_page, per_page,
+                          f"kv_cache_memory {kv_cache_memory} bytes ({per_page} bytes per page)")
+    elif gpu_memory_utilization is not None:
+        free = device_free_bytes()
+        if free is None:
+            logger.warning("gpu_memory_utilization %.2f ignored: device %s reports no memory statistics; "
+                           "KV cache falls back to the default of %d pages (every slot at full context). "
+                           "Set --kv-cache-memory or --num-pages to size it.", gpu_memory_utilization,
+                           jax.devices()[0], default)
+            budget = KVBudget(default, per_page, "the default (every slot at full context)")
+        else:
+            usable = int(free * gpu_memory_utilization)
+            budget = KVBudget(usable // per_page, per_page,
+                              f"gpu_memory_utilization {gpu_memory_utilization} of {free} free bytes after "
+                              f"the weights ({per_page} bytes per page)")
+    else:
+        budget = KVBudget(default, per_page, "the default (every slot at full context)")
+    if budget.num_pages - 1 < full_context_pages:
+        need = (full_context_pages + 1) * per_page
+        raise ValueError(f"KV cache from {budget.source} has {max(budget.num_pages, 0)} pages, which cannot "
+                         f"hold even one full-context sequence: max_model_len {max_model_len} needs "
+                         f"{full_context_pages} pages of {page_size} tokens + the null page "
+                         f"({need} bytes). Give more memory or pages, or lower max_model_len.")
+    usable_pages = budget.num_pages - 1
+    logger.info("KV cache: %d pages x %d tokens = %d tokens (%.1f MB) from %s; holds %.1f full-context "
+                "sequences of %d tokens (%d decode slots)", usable_pages, page_size, usable_pages * page_size,
+                budget.num_pages * per_page / 1e6, budget.source, usable_pages / full_context_pages,
+                max_model_len, max_num_seqs)
+    return budget

@@ -1,0 +1,221 @@
+"""Model runner: the device state of one model, and the step launched on it asynchronously.
+
+1. The runner holds what the step program runs on: the parameters (as a flat tuple of leaves), the paged
+   KV cache (zero-filled on a thread while warm-up compiles), the sampler state and the previous step's
+   samples, all on the mesh.
+2. `launch(step, masks)` packs the plan into the device batch of the smallest token bucket with a ready
+   program (`batch.py`, `compiler.py`) and dispatches the step without waiting for it. The grammar masks
+   of the plan's rows (when some draw is constrained) go in as one more input of the same program.
+3. The samples stay on the device and feed the next step; `LaunchedStep.sampled()` copies them to the
+   host (one small array, its copy started at launch) when the engine gets round to it, a step later.
+4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
+The multi-host leader (`relay.py`) is this runner with its dispatch and warm-up wrapped; nothing here
+knows about other processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.execution.batch import BatchBuilder, BatchLayout
+from jaxserve.execution.compile_events import CompileEvents
+from jaxserve.execution.compiler import StepCompiler, WarmupReport, abstract
+from jaxserve.execution.step_program import StepResults, jit_step
+from jaxserve.loader.placement import ShardedModel
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.sampling.logits import SamplerState
+from jaxserve.scheduling.pages import pages_needed
+from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, StepPlan
+from pallas_kernels.dispatch import AttentionBackend
+from sharding import MeshPlan
+from sharding.loading import zeros
+from sharding.rules import kv_cache_spec
+
+
+@dataclasses.dataclass
+class ManualStep:
+    """`ModelRunner.run`'s answer, on the host."""
+    samples: np.ndarray  # [seqs] the token drawn after each sequence's span
+    logits: np.ndarray  # [tokens, vocab] float32, every row's
+    rows: list[slice]  # each sequence's rows of `logits`
+    results: StepResults  # everything else the step returned (logprobs), as numpy
+
+
+@dataclasses.dataclass
+class LaunchedStep:
+    """A dispatched step, its results still on the device."""
+    step: StepPlan | None
+    results: StepResults
+    logits: jax.Array | None  # [tokens, vocab] float32, when asked for
+
+    def sampled(self) -> SampledTokens:
+        """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
+        return SampledTokens.one_per_row(to_host(self.results.samples), self.step, self.logprobs)
+
+    def logprobs(self) -> SampleLogprobs:
+        r = jax.tree.map(to_host, self.results)
+        return SampleLogprobs(r.sample_logprob[:, None], r.sample_rank[:, None], r.top_ids[:, None],
+                              r.top_logprobs[:, None], r.prompt_logprob, r.prompt_rank, r.prompt_top_ids,
+                              r.prompt_top_logprobs)
+
+
+class ModelRunner:
+    def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
+                 sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None):
+        self.model_config = model_config
+        self.sampler_config = sampler_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.attention = attention
+        self.dtype = dtype
+        self.events = events or CompileEvents()
+        self.plan: MeshPlan = model.plan
+        self.graphdef, self.params = model.graphdef, model.params
+        self._param_leaves = tuple(jax.tree.leaves(self.params))
+        max_seqs = scheduler_config.max_num_seqs
+        self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
+        layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
+                                  sampler_config.max_logit_bias, max_seqs) for b in scheduler_config.token_buckets}
+        self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
+        # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
+        # (1 GB for a 1B model: ~1 s), which then overlaps warm-up's first compilation. Compiling needs only
+        # the abstract cache; the first access to `kv_cache` waits for the arrays.
+        self.kv_abstract = self._abstract_kv_cache()
+        self._kv_cache: KVCache | None = None
+        filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-cache")
+        self._kv_filling = filler.submit(self._new_kv_cache)
+        filler.shutdown(wait=False)
+        rep = self.plan.replicated
+        self._no_samples = jax.device_put(np.zeros(max_seqs, np.int32), rep)
+        self._prev_samples = self._no_samples
+        # The allowed-token bitmask of each bucket's sequence rows when no row is constrained: all ones, kept
+        # on the device, so unconstrained steps transfer nothing for it.
+        self.mask_words = (model_config.vocab_size + 31) // 32
+        self._open_masks = {b: jax.device_put(self._all_allowed(layout.seqs), rep) for b, layout in layouts.items()}
+        # Per slot, and one scratch row for padding (see jaxserve/sampling/logits.py).
+        state_shape = (max_seqs + 1, model_config.vocab_size)
+        self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
+        step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
+                        num_samples=max_seqs, top=sampler_config.max_logprobs)
+        self.compiler = StepCompiler(step, layouts, self._program_inputs,
+                                     (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
+                                      max_seqs, sampler_config.max_logprobs),
+                                     list(self.plan.mesh.devices.flat), max_seqs, self.events)
+
+    def _abstract_kv_cache(self) -> KVCache:
+        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim], as shapes and shardings."""
+        c, plan = self.model_config, self.plan
+        shape = (plan.pp * c.num_kv_heads, self.cache_config.num_pages, self.cache_config.page_size, c.head_dim)
+        pages = jax.ShapeDtypeStruct(shape, self.dtype, sharding=plan.sharding(kv_cache_spec()))
+        return KVCache(k=[pages] * plan.layers_per_stage, v=[pages] * plan.layers_per_stage)
+
+    def _new_kv_cache(self) -> KVCache:
+        """The cache's arrays, created in place on their devices."""
+        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.kv_abstract)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        if self._kv_cache is None:
+            self._kv_cache = self._kv_filling.result()
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, value: KVCache) -> None:
+        self._kv_cache = value
+
+    def _all_allowed(self, rows: int) -> np.ndarray:
+        return np.full((rows, self.mask_words), -1, np.int32)
+
+    def _program_inputs(self, layout: BatchLayout) -> tuple:
+        # Abstract arguments: the engine thread may be running (and donating) the cache and sampler state
+        # meanwhile; only their shapes and shardings matter here.
+        ints, floats = layout.empty()
+        return (abstract(self._param_leaves), self.kv_abstract, abstract(self.sampler_state),
+                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens])
+
+    # ---- compiling --------------------------------------------------------------------------------------
+
+    @property
+    def layouts(self) -> dict[int, BatchLayout]:
+        return self.compiler.layouts
+
+    @property
+    def ready_buckets(self) -> tuple[int, ...]:
+        """Token buckets whose program is ready (all of them once warm-up is done)."""
+        return self.compiler.ready_buckets
+
+    @property
+    def step_token_limit(self) -> int:
+        return self.compiler.step_token_limit
+
+    @property
+    def warmup_report(self) -> WarmupReport | None:
+        return self.compiler.warmup_report
+
+    def warmup(self, background: bool = False, on_done=None) -> WarmupReport | None:
+        """Compile every bucket's step program (see `StepCompiler.warmup`); ready means the KV cache is filled."""
+        report = self.compiler.warmup(background, on_done, self._build_program)
+        self.kv_cache  # noqa: B018 - it was being filled, meanwhile, on its thread
+        return report
+
+    def _build_program(self, layout: BatchLayout) -> None:
+        self.compiler.build(layout)
+
+    def stop_warmup(self, timeout: float | None = None) -> None:
+        self.compiler.stop(timeout)
+
+    # ---- a caller's call (multi-host: relay.py wraps these) ----------------------------------------------
+
+    def call(self, work, on_follower=None):
+        """Run one call of the engine's caller (an `LLM.generate`, a server's lifetime): here, just `work()`."""
+        return work()
+
+    def release(self) -> None:
+        """The caller is done with the engine (nothing to do in a single process)."""
+
+    # ---- running ----------------------------------------------------------------------------------------
+
+    def launch(self, step: StepPlan, masks: np.ndarray | None = None, with_logits: bool = False) -> LaunchedStep:
+        """Dispatch one step of the plan; returns without waiting for the device. `masks`: the allowed-token
+        bitmask of the plan's rows ([rows, ceil(vocab / 32)] int32), when some draw is constrained."""
+        if any(seq.num_draft_tokens for seq in step.seqs):
+            raise NotImplementedError("the step program draws once per sequence: verifying draft tokens is "
+                                      "not supported yet")
+        layout = self.compiler.layout_for(step.num_tokens)
+        ints, floats = self.builder.build(step, layout, constrained=masks is not None)
+        if masks is not None:  # the plan's rows, then all-allowed padding rows up to the layout's
+            masks = np.concatenate([masks, self._all_allowed(layout.seqs - len(masks))])
+        return self.dispatch(step, layout, ints, floats, masks, with_logits)
+
+    def dispatch(self, step: StepPlan | None, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
+                  masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
+        # Masks go in as committed device arrays either way: a host array would be another program to compile.
+        masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
+        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
+        with self.events.counting():
+            self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
+        self._prev_samples = results.samples
+        results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
+        return LaunchedStep(step, results, logits)
+
+    def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
+        """One step with every row's logits, waited for (research, tests). Not while the engine has
+        requests running: their next step would read this step's samples as their pending tokens.
+        `masks`: allowed-token bitmasks of the plan's draws; the logits stay unmasked."""
+        out = self.launch(step, masks=masks, with_logits=True)
+        bounds = np.cumsum([0] + [seq.num_tokens for seq in step.seqs])
+        results = jax.tree.map(to_host, out.results)
+        return ManualStep(results.samples[:len(step.seqs)], to_host(out.logits),
+                          [slice(a, b) for a, b in zip(bounds, bounds[1:])], results)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A replicated output to numpy; in a multi-host run only this process's copy is addressable."""
+    return np.asarray(x.addressable_data(0))

@@ -1,0 +1,139 @@
+"""The step program: one pure function `(params, kv_cache, sampler_state, prev_samples, buffers, masks) ->
+(kv_cache, sampler_state, results, logits)`, jitted once per (token bucket, logits flag).
+
+1. `jit_step` wraps the body in one `shard_map` over the mesh (even a one-device mesh: one code path) with
+   explicit in/out shardings, so nothing recompiles for a sharding it had not seen. The KV cache and the
+   sampler state are donated: XLA updates them in place.
+2. The body (`_step_local`, on each device's shards) unpacks the buffers into a `StepBatch`, takes the
+   tokens that are still on the device from the previous step's samples, runs every layer over the flat
+   tokens (pipeline stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their
+   slots and attends through the backend's ragged paged attention, then applies the grammar masks and
+   the logits processing and samples each sequence's last row. Log-probabilities are computed only when
+   some row asked for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.execution.batch import BatchLayout, StepBatch
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
+from jaxserve.sampling.sampler import sample
+from jaxserve.scheduling.pages import NULL_PAGE
+from sharding import TP_AXES, MeshPlan
+from sharding.pipeline import num_microbatches, run_pipeline
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepResults:
+    """What one step returns besides the cache (R = max_num_seqs sample rows, T = the token bucket)."""
+    samples: jax.Array  # [R] int32: row i is the token sampled for chunk i of the plan
+    sample_logprob: jax.Array  # [R] float32 raw logprob of that token (rows that asked for logprobs)
+    sample_rank: jax.Array  # [R] int32 its rank, 1 = the most likely
+    top_ids: jax.Array  # [R, K] int32 the K most likely tokens
+    top_logprobs: jax.Array  # [R, K] float32 their logprobs
+    prompt_logprob: jax.Array  # [T] float32 logprob of each row's `prompt_target` (prompt logprobs)
+    prompt_rank: jax.Array  # [T] int32
+    prompt_top_ids: jax.Array  # [T, K] int32
+    prompt_top_logprobs: jax.Array  # [T, K] float32
+
+
+def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sampler_state: SamplerState,
+             num_samples: int, top: int):
+    """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
+    runs Python code for every leaf, on every call, on the critical path of each step. Call it as
+    `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits)`."""
+    leaves, param_tree = jax.tree.flatten(model.params)
+    rep = plan.replicated
+    state_sharding = jax.tree.map(lambda a: a.sharding, sampler_state)
+    kv_sharding = jax.tree.map(lambda a: a.sharding, kv_abstract)
+    kv_specs = jax.tree.map(lambda a: a.sharding.spec, kv_abstract)
+    step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp,
+                       num_samples=num_samples, top=top)
+
+    def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits):
+        # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
+        # then computed identically on every device); we do not ask JAX to prove it per value.
+        local = functools.partial(_step_local, **step_kwargs, layout=layout, with_logits=with_logits)
+        params = jax.tree.unflatten(param_tree, param_leaves)
+        return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P(), P(), P()),
+                             out_specs=(kv_specs, P(), P(), P()), check_vma=False)(
+            params, kv_cache, sampler_state, prev_samples, ints, floats, masks)
+
+    # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
+    # with in_shardings. The cache and the sampler state are donated: updated in place.
+    return jax.jit(step, static_argnums=(7, 8), donate_argnums=(1, 2),
+                   in_shardings=(tuple(a.sharding for a in leaves), kv_sharding, state_sharding, rep, rep, rep, rep),
+                   out_shardings=(kv_sharding, state_sharding, rep, rep))
+
+
+# ---- the body of the shard_map: every array here is this device's shard ---------------------------------
+
+def _microbatch_view(cu_q_lens: jax.Array, kv_lens: jax.Array, lo: jax.Array, size: int):
+    """The ragged layout as tokens lo .. lo + size - 1 see it: rows outside belong to no sequence, and a
+    sequence's tokens after the microbatch are not in the cache yet (later microbatches write them)."""
+    cu = jnp.clip(cu_q_lens, lo, lo + size) - lo
+    later = jnp.maximum(cu_q_lens[1:] - jnp.maximum(cu_q_lens[:-1], lo + size), 0)
+    return cu, kv_lens - later
+
+
+def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
+    # A pipeline bubble step computes on filler data: send its K/V to the null page.
+    return jnp.where(valid, write_index, NULL_PAGE)
+
+
+def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks, *, graphdef,
+                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool):
+    model = nnx.merge(graphdef, params)
+    batch: StepBatch = layout.unpack(ints, floats)
+    # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
+    tokens = jnp.where(batch.from_prev >= 0, prev_samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
+    num_tokens = layout.tokens
+    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right") - 1, 0,
+                            layout.seqs - 1)
+    sampler_state = record_tokens(sampler_state, batch.slots, batch.fresh, batch.slots[seq_of_token], tokens,
+                                  batch.token_kind)
+    m = num_microbatches(num_tokens, pp)
+    size = num_tokens // m
+    split = lambda a: a.reshape(m, size)
+    micro_tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
+
+    def stage(x, micro, valid, kv):
+        cos, sin = model.rope(positions[micro])
+        cu_q_lens, kv_lens = _microbatch_view(batch.cu_q_lens, batch.kv_lens, micro * size, size)
+
+        def attend(q, k_pages, v_pages):
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
+                                    sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+
+        return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
+
+    hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
+    hidden = model.norm(hidden.reshape(num_tokens, -1))
+    # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
+    raw = apply_token_masks(model.logits(hidden[batch.sample_index], TP_AXES), masks, batch.constrained)
+    samples = sample(process(raw, sampler_state, batch.slots, batch.processing), batch.sampling)
+    sample_lp = _maybe_logprobs(jnp.any(batch.logprobs >= 0), lambda: raw, samples, top)
+    targets = batch.prompt_target
+    prompt_lp = _maybe_logprobs(jnp.any(targets >= 0), lambda: model.logits(hidden, TP_AXES),
+                                jnp.maximum(targets, 0), top)
+    pad = lambda a: jnp.zeros((num_samples,) + a.shape[1:], a.dtype).at[:layout.seqs].set(a)
+    results = StepResults(pad(samples), *map(pad, sample_lp), *prompt_lp)
+    logits = model.logits(hidden, TP_AXES) if with_logits else None
+    return kv_cache, sampler_state, results, logits
+
+
+def _maybe_logprobs(wanted, logits_fn, chosen, top: int):
+    """`token_logprobs` of the logits `logits_fn` gives, computed only when some row wants them (zeros else)."""
+    rows = chosen.shape[0]
+    skipped = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, top), jnp.int32),
+               jnp.zeros((rows, top), jnp.float32))
+    return jax.lax.cond(wanted, lambda: token_logprobs(logits_fn(), chosen, top), lambda: skipped)

@@ -1,0 +1,56 @@
+"""Loading, one straight path: a checkpoint's reader -> parameters placed on the device mesh.
+
+1. Read: `open_checkpoint` detects a directory's format and opens its reader (`formats.py`): Hugging Face
+   safetensors, a mapped checkpoint used in place, or Orbax. An in-memory module (the demo model,
+   benchmarks) is read by a `ModuleReader`.
+2. Plan: `param_entries` gives every parameter its layout from the partition rules (`placement.py`).
+3. Fill and place: the reader fills each entry, every device reading only its own slice, and `assemble`
+   stacks the pipeline stages' layers into the model state the jitted step runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.formats import open_checkpoint
+from jaxserve.loader.placement import ModuleReader, ShardedModel, assemble, param_entries
+from sharding import ParallelConfig, make_plan
+from sharding.mesh import MeshPlan
+
+logger = logging.getLogger(__name__)
+
+
+def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
+    """Every parameter `reader` holds, placed on the mesh of `plan`."""
+    start = time.perf_counter()
+    entries = param_entries(config, dtype, plan)
+    model = assemble(reader.read(entries), config, dtype, plan)
+    seconds = time.perf_counter() - start
+    logger.info("weights: %d tensors, %.1f MB on the mesh, from %s as %s in %.1fs (%.2f GB/s)", len(entries),
+                model.num_bytes / 1e6, reader.description, jnp.dtype(dtype).name, seconds,
+                model.num_bytes / 1e9 / max(seconds, 1e-9))
+    return model
+
+
+def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
+    """Any supported checkpoint directory onto the mesh of `plan`, each device reading its shards."""
+    return load_weights(open_checkpoint(model_dir), config, dtype, plan)
+
+
+def shard_module(module: nnx.Module, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
+    """An in-memory (unsharded) module onto the mesh: the demo model, tests."""
+    return load_weights(ModuleReader(module), config, dtype, plan)
+
+
+def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
+    """The whole model on one device, as a plain module: for notebooks and single-device tools."""
+    plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    model = load_sharded(model_dir, config, dtype, plan)
+    return nnx.merge(model.graphdef, model.params)

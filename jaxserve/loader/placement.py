@@ -1,0 +1,167 @@
+"""Placement: every parameter's layout on the device mesh from the partition rules, filled shard by shard.
+
+1. `param_entries` walks the abstract full model (no memory) and, per parameter, takes its layout from
+   the rule table (`sharding/rules.py`): padded shape, PartitionSpec, and where it lives — a layer's
+   parameters on its pipeline stage's devices, the embedding, final norm and LM head on every stage.
+2. A checkpoint reader fills the entries (`read`). Readers of tensor regions (safetensors, an in-memory
+   module) share `RegionReader.read`: each device's slice is read straight into the buffer that becomes
+   its array, several parameters at a time. The Orbax reader restores into the shardings itself.
+3. `assemble` relabels the stages' copies of each layer slot as one array stacked along dim 0 over the
+   pipeline axis (no copy) and merges them into the state of a *stage model*: the same model class with
+   `layers_per_stage` layers, whose graph the jitted steps merge inside `shard_map`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.loader.tree import ParamPath, flatten, set_path
+from jaxserve.model.registry import abstract_model
+from sharding.loading import Fill, InPlace, array_from_reader, stack_stages
+from sharding.mesh import MeshPlan
+from sharding.rules import ParamLayout, is_layer_param, param_layout, runtime_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+    path: ParamPath  # ("layers", "3", "self_attn", "q_proj", "kernel")
+    layout: ParamLayout
+    dtype: object
+    sharding: NamedSharding  # on the stage's sub-mesh (layers) or the whole mesh
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    plan: MeshPlan
+    config: ModelConfig  # the full model
+    graphdef: nnx.GraphDef  # one pipeline stage's model (layers_per_stage layers)
+    params: nnx.State  # runtime arrays on plan.mesh
+    dtype: object
+
+    @property
+    def shardings(self):
+        return jax.tree.map(lambda a: a.sharding, self.params)
+
+    @property
+    def specs(self):
+        return jax.tree.map(lambda a: a.sharding.spec, self.params)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
+
+
+def param_specs(config: ModelConfig, dtype) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
+    """Every parameter of the full model: (path, shape and dtype), in the module's order."""
+    _, state = nnx.split(abstract_model(config, dtype))
+    return [(tuple(str(p) for p in path), spec) for path, spec in flatten(nnx.to_pure_dict(state))]
+
+
+def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) -> list[ParamEntry]:
+    mesh_shape = dict(plan.mesh.shape)
+    entries = []
+    for path, spec in param_specs(config, dtype):
+        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad)
+        mesh = plan.stage_mesh(int(path[1]) // plan.layers_per_stage) if is_layer_param(path) else plan.mesh
+        entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
+    return entries
+
+
+def loading_progress(total: int):
+    """The weight-loading progress bar (on stderr)."""
+    return tqdm(total=total, desc="Loading weights", unit="tensor")
+
+
+# Parameters filled at once: copying and transposing tiles release the GIL, so threads overlap them with
+# page faults and host-to-device transfers. Each holds one parameter's host buffer at most.
+LOADER_THREADS = min(4, os.cpu_count() or 1)
+
+
+class RegionReader:
+    """A checkpoint read region by region: `reader(path, shape)` fills any region of a parameter (NNX layout),
+    `in_place(path, dtype)` hands out regions that can become device arrays as they lie (or None)."""
+    description = "a checkpoint"  # for the loading log line
+
+    def reader(self, path: ParamPath, shape: tuple[int, ...]) -> Fill:
+        raise NotImplementedError
+
+    def in_place(self, path: ParamPath, dtype) -> InPlace | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def read(self, entries: list[ParamEntry]) -> dict[ParamPath, jax.Array]:
+        """Every entry's array on its sharding; the reader is closed afterwards."""
+        def load(e: ParamEntry) -> jax.Array:
+            fill = self.reader(e.path, e.layout.shape)
+            return array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, fill,
+                                     self.in_place(e.path, e.dtype))
+
+        # Biggest first: a big tensor left for the end loads on one thread while the others idle (the 262 MB
+        # LM head of a 1B model, last in parameter order, was a second of one thread's work after the rest).
+        biggest_first = sorted(entries, key=lambda e: -math.prod(e.layout.padded) * np.dtype(e.dtype).itemsize)
+        arrays = {}
+        try:
+            with ThreadPoolExecutor(LOADER_THREADS) as pool, loading_progress(len(entries)) as bar:
+                futures = {pool.submit(load, e): e.path for e in biggest_first}
+                try:
+                    for done in as_completed(futures):
+                        arrays[futures[done]] = done.result()
+                        bar.update()
+                except BaseException:  # a bad tensor (or ^C) stops the loading now, not after every other
+                    pool.shutdown(cancel_futures=True)
+                    raise
+        finally:
+            self.close()
+        return arrays
+
+
+class ModuleReader(RegionReader):
+    """Slices of an in-memory module's parameters (the built-in demo model, tests). Copied: the device
+    arrays must not alias the module's."""
+    description = "a module in memory"
+
+    def __init__(self, module: nnx.Module):
+        self.params = {tuple(str(p) for p in path): value for path, value in
+                       flatten(nnx.to_pure_dict(nnx.state(module, nnx.Param)))}
+
+    def reader(self, path: ParamPath, shape: tuple[int, ...]) -> Fill:
+        value = np.asarray(self.params[tuple(str(p) for p in path)])
+        if value.shape != tuple(shape):
+            raise ValueError(f"parameter {'/'.join(map(str, path))} has shape {value.shape}, expected {shape}")
+        return lambda index, out: np.copyto(out, value[index], casting="unsafe")
+
+    def close(self) -> None:
+        self.params.clear()
+
+
+def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
+    stage = dataclasses.replace(config, num_layers=plan.layers_per_stage)
+    graphdef, state = nnx.split(abstract_model(stage, dtype))
+    runtime = nnx.to_pure_dict(state)
+    for path, _ in list(flatten(runtime)):
+        key = tuple(str(p) for p in path)
+        if is_layer_param(key):
+            slot, rest = int(key[1]), key[2:]
+            pieces = []
+            for stage_index in range(plan.pp):
+                layer = plan.layer_at(stage_index, slot)
+                pieces.append(None if layer is None else arrays.pop(("layers", str(layer)) + rest))
+            template = next(p for p in pieces if p is not None)
+            value = stack_stages(pieces, plan, runtime_spec(key, template.sharding.spec, template.ndim))
+        else:
+            value = arrays.pop(key)
+        set_path(runtime, path, value)
+    nnx.replace_by_pure_dict(state, runtime)
+    return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)

@@ -1,0 +1,147 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one Flax NNX decoder.
+
+The variants differ only in switches carried by `ModelConfig`: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), explicit head_dim, sliding window (Mistral), rope scaling (Llama 3.1), tied embeddings.
+
+One forward call processes a flat set of N tokens — a prefill chunk of one sequence or one token per
+decode slot — and is told where their K/V go and how to attend:
+1. embed tokens; per layer: RMSNorm -> q/k/v projections (+bias, +q/k norm) -> RoPE at `positions`;
+2. write k/v into the layer's pages at `write_index` (flat page * page_size + offset; padding -> null page);
+3. `attend(q, k_pages, v_pages)` (a closure the runner builds over the chosen attention backend);
+4. o_proj, residual, RMSNorm, SwiGLU MLP, residual; final RMSNorm. `logits` applies the LM head.
+
+The pieces (`embed`, `run_layers`, `norm`, `logits`) are also called one by one by the sharded runner,
+on parameter shards inside `shard_map`: head counts come from the local shapes, and `tp_axis` names the
+tensor-parallel group for the three collectives in `parallel.py` (None = unsharded, as in `__call__`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.kv_cache import KVCache, write_kv
+from jaxserve.model import parallel
+from jaxserve.model.parallel import Axis
+from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+# q [N, H, D], k_pages, v_pages [KVH, P, S, D] -> [N, H, D]
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32 and cast back, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+def _linear(cfg_dtype, in_dim: int, out_dim: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(in_dim, out_dim, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        c = config
+        self.q_proj = _linear(dtype, c.hidden_size, c.q_size, c.attention_bias, rngs)
+        self.k_proj = _linear(dtype, c.hidden_size, c.kv_size, c.attention_bias, rngs)
+        self.v_proj = _linear(dtype, c.hidden_size, c.kv_size, c.attention_bias, rngs)
+        self.o_proj = _linear(dtype, c.q_size, c.hidden_size, c.o_proj_bias, rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        self.config = config
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend: AttendFn, tp_axis: Axis = None):
+        c = self.config
+        n = x.shape[0]
+        # -1: under tensor parallelism this device holds only its share of the heads.
+        q = self.q_proj(x).reshape(n, -1, c.head_dim)
+        k = self.k_proj(x).reshape(n, -1, c.head_dim)
+        v = self.v_proj(x).reshape(n, -1, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, write_index)
+        out = attend(q, k_pages, v_pages)
+        return parallel.row_parallel(self.o_proj, out.reshape(n, -1), tp_axis), k_pages, v_pages
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        c = config
+        self.gate_proj = _linear(dtype, c.hidden_size, c.intermediate_size, c.mlp_bias, rngs)
+        self.up_proj = _linear(dtype, c.hidden_size, c.intermediate_size, c.mlp_bias, rngs)
+        self.down_proj = _linear(dtype, c.intermediate_size, c.hidden_size, c.mlp_bias, rngs)
+
+    def __call__(self, x, tp_axis: Axis = None):
+        return parallel.row_parallel(self.down_proj, jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), tp_axis)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
+                                             write_index, attend, tp_axis)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x), tp_axis)
+        return x, k_pages, v_pages
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        c = config
+        self.config = config
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _linear(dtype, c.hidden_size, c.vocab_size, False, rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, write_index: jax.Array,
+                 attend: AttendFn) -> tuple[jax.Array, KVCache]:
+        """tokens, positions, write_index: [N] int32 -> hidden [N, hidden_size], updated cache."""
+        x = self.embed(tokens)
+        cos, sin = self.rope(positions)
+        x, kv_cache = self.run_layers(x, cos, sin, kv_cache, write_index, attend)
+        return self.norm(x), kv_cache
+
+    def embed(self, tokens: jax.Array, tp_axis: Axis = None) -> jax.Array:
+        return parallel.embed(self.embed_tokens, tokens, tp_axis)
+
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # Host-side numpy at trace time: the frequencies become a constant of the compiled step.
+        return rope_cos_sin(positions, inverse_frequencies(self.config))
+
+    def run_layers(self, x, cos, sin, kv_cache: KVCache, write_index, attend: AttendFn,
+                   tp_axis: Axis = None) -> tuple[jax.Array, KVCache]:
+        """Every layer of this module (a pipeline stage's block, when sharded) over hidden x [N, hidden]."""
+        new_k, new_v = [], []
+        for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v):
+            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis)
+            new_k.append(k_pages)
+            new_v.append(v_pages)
+        return x, KVCache(k=new_k, v=new_v)
+
+    def logits(self, hidden: jax.Array, tp_axis: Axis = None) -> jax.Array:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        if self.config.tie_word_embeddings:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return parallel.gather_vocab(logits, tp_axis, self.config.vocab_size).astype(jnp.float32)

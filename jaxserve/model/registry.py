@@ -1,0 +1,36 @@
+"""Architecture registry, keyed by the `model_type` of a Hugging Face config.json.
+
+`model_class` picks the NNX module of a config; `abstract_model` builds it as shapes only (every
+parameter's path, shape and dtype, no memory), which is what loading plans from; `random_model` builds it
+with deterministic random weights (the built-in demo model, tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxserve.model.llama import LlamaForCausalLM
+
+# Every supported type is a variant of one decoder; a new family adds a class and rows here.
+MODEL_REGISTRY = {model_type: LlamaForCausalLM for model_type in SUPPORTED_MODEL_TYPES}
+
+
+def model_class(config: ModelConfig):
+    try:
+        return MODEL_REGISTRY[config.model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {config.model_type!r}; "
+                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
+
+
+def abstract_model(config: ModelConfig, dtype) -> nnx.Module:
+    """The model as shapes and dtypes only (`nnx.eval_shape`: no memory, no random init)."""
+    cls = model_class(config)
+    return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> nnx.Module:
+    """Randomly initialised weights (deterministic in `seed`), for the built-in demo model and tests."""
+    return model_class(config)(config, dtype=dtype, rngs=nnx.Rngs(seed))

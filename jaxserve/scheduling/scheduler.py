@@ -1,0 +1,311 @@
+"""Continuous-batching scheduler: host-only Python, no device arrays. It decides; it never appends tokens.
+
+1. Requests wait in arrival order. One is admitted when a slot is free and the pages for its whole
+   prefill (prompt, plus any tokens it generated before a preemption) can be allocated. With prefix
+   caching, the longest cached run of full pages of those tokens is shared instead of allocated, and
+   prefill starts after it. The hit stops short of the last token: its logits are needed to sample, so
+   at least that token is always computed, in a page of its own request. The other choices of an n > 1
+   request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
+   reference each) and compute only the rest of the prompt, whose last token each samples itself.
+2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
+   while step programs still compile): first a span for every decoding sequence (its last token, plus any
+   draft tokens to verify; each gets the pages those tokens go to, and when none is free the newest
+   running request is preempted and will be recomputed), then prefill chunks of as many prefilling
+   sequences as fit, oldest first. The step is a `StepPlan` of plain `ScheduledSeq`s: one ragged batch.
+3. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
+   is dispatched while the previous one still runs, so a sequence's newest token may still be on the
+   device. Such a token is *pending*: the span names the previous step's sample row it comes from, and
+   the device feeds it in directly. `num_computed` counts tokens whose K/V the dispatched steps write.
+   A sequence under structured outputs (or verifying drafts) is not decoded while a draw is pending:
+   its next span depends on the tokens that draw accepts.
+4. `update_from_output` (`update.py`) hands each step's draws back through `accept_draws` (bookkeeping
+   only: drafts that were rejected are no longer computed) and offers the prefix cache every page that is
+   full of known tokens whose K/V a dispatched step writes (`register_full_pages`), prompt and generated
+   text alike; so do `finish` and a preemption, for what their request's dispatched steps wrote.
+5. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
+   cached until an allocation needs them (least recently used first). A step still in flight may write
+   into freed pages, but every later step runs after it on the device, so their next owner's writes win.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.scheduling.pages import PageAllocator, pages_needed
+from jaxserve.scheduling.prefix_cache import PrefixCache, extend_page_keys
+from jaxserve.scheduling.request import Request, Status
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        self.config = scheduler_config
+        self.page_size = cache_config.page_size
+        self.prefix_cache = PrefixCache() if cache_config.enable_prefix_caching else None
+        self.allocator = PageAllocator(cache_config.num_pages, self.prefix_cache)
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * scheduler_config.max_num_seqs
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
+        self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
+
+    # ---- queries ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.slots.count(None)
+
+    def kv_usage(self) -> float:
+        return 1 - self.allocator.num_free / self.allocator.num_usable
+
+    def waits_for_draws(self) -> bool:
+        """Whether a running sequence can be planned only once its pending draw is read: a constrained one
+        (its next mask depends on the token) or one verifying drafts (its next span, on how many stand)."""
+        return any(r.num_pending and (r.constrained or not r.is_decoding) for r in self.slots if r is not None)
+
+    # ---- planning ----------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self, token_limit: int | None = None) -> StepPlan:
+        """Plan the next step of at most `token_limit` tokens (default: the configured budget). What it
+        plans counts as computed (and drawn) right away."""
+        limit = min(token_limit or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
+        preempted = self._reserve_decode_pages()
+        seqs: list[ScheduledSeq] = []
+        budget = limit
+        running = sorted(self.running, key=lambda r: r.arrival)
+        for request in running:
+            if self._wants_decode(request) and budget > 0:
+                seq = self._decode_seq(request, len(seqs), budget)
+                seqs.append(seq)
+                budget -= seq.num_tokens
+        if not preempted:  # pages just freed by a preemption go to the running requests first
+            self._admit()
+            running = sorted(self.running, key=lambda r: r.arrival)
+        for request in running:
+            if budget == 0:
+                break
+            if request.is_prefilling:
+                seq = self._prefill_seq(request, min(request.prefill_target - request.num_computed, budget),
+                                        len(seqs))
+                seqs.append(seq)
+                budget -= seq.num_tokens
+        return StepPlan(seqs, limit - budget)
+
+    @staticmethod
+    def _wants_decode(request: Request) -> bool:
+        # A sequence at its length limit only waits for its pending token, which finishes it. A constrained
+        # one waits for its pending token too: its next draw's mask depends on it.
+        return (request.is_decoding and request.num_tokens < request.max_len
+                and not (request.constrained and request.num_pending))
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The draft tokens to verify after the request's last token: as many as the budget, the pages
+        reserved and its length limit allow (a proposer fills `draft_token_ids`; none does yet)."""
+        if not request.draft_token_ids or request.num_pending or request.constrained:
+            return []
+        room = min(budget - 1, request.max_len - request.num_tokens - 1,
+                   len(request.pages) * self.page_size - request.num_computed - 1)
+        return request.draft_token_ids[:max(room, 0)]
+
+    def _decode_seq(self, request: Request, row: int, budget: int) -> ScheduledSeq:
+        pending = request.num_pending > 0
+        drafts = self._drafts(request, budget)
+        tokens = None if pending else tuple(request.token_ids[-1:]) + tuple(drafts)
+        seq = self._seq(request, request.num_computed, 1 + len(drafts), tokens,
+                        prev_row=request.pending_row if pending else -1,
+                        sample_step=request.num_tokens - request.num_prompt_tokens, num_draft_tokens=len(drafts))
+        request.draft_token_ids = []
+        request.num_computed += seq.num_tokens
+        self._mark_drawn(request, row)
+        return seq
+
+    def _prefill_seq(self, request: Request, n: int, row: int) -> ScheduledSeq:
+        start = request.num_computed
+        last = start + n == request.prefill_target
+        targets = None
+        if request.params.prompt_logprobs is not None:  # each row scores the prompt token after it
+            targets = tuple(request.token_ids[start + 1:min(start + n + 1, request.num_prompt_tokens)])
+        seq = self._seq(request, start, n, tuple(request.token_ids[start:start + n]), is_prefill=True,
+                        first_chunk=start == request.admitted_at, prompt_targets=targets,
+                        sample_step=request.num_tokens - request.num_prompt_tokens if last else -1)
+        request.num_computed += n
+        if last:
+            self._mark_drawn(request, row)
+            if request.forks:
+                self._fork(request)
+        return seq
+
+    def _seq(self, request: Request, start: int, n: int, tokens: tuple[int, ...] | None, *, sample_step: int,
+             prev_row: int = -1, num_draft_tokens: int = 0, is_prefill: bool = False, first_chunk: bool = False,
+             prompt_targets: tuple[int, ...] | None = None) -> ScheduledSeq:
+        new_in_slot = request.num_pages_sent == 0  # its first span since (re)admission: a fresh page-table row
+        new_pages = tuple(request.pages[request.num_pages_sent:])
+        request.num_pages_sent = len(request.pages)
+        params = request.params
+        suppress = request.suppress_ids if 0 <= sample_step < params.min_tokens else ()
+        return ScheduledSeq(key=request.key, epoch=request.epoch, slot=request.slot, start=start, num_tokens=n,
+                            token_ids=tokens, prev_row=prev_row, new_pages=new_pages, new_in_slot=new_in_slot,
+                            first_chunk=first_chunk, is_prefill=is_prefill, sample_step=sample_step,
+                            num_draft_tokens=num_draft_tokens, constrained=request.constrained,
+                            num_prompt_tokens=request.num_prompt_tokens, params=params,
+                            seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
+                            prompt_targets=prompt_targets)
+
+    @staticmethod
+    def _mark_drawn(request: Request, row: int) -> None:
+        request.num_pending += 1
+        request.pending_row = row
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            request = self.waiting[0]
+            target = len(request.token_ids)
+            forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
+            hits = request.shared_pages if forked else self._cached_prefix(request, target)
+            fresh = pages_needed(target, self.page_size) - len(hits)
+            # Idle hit pages count as free until acquired: they must not also pay for the fresh pages.
+            idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits and not forked else 0
+            if not self.allocator.can_allocate(fresh + idle_hits):
+                return  # wait for pages: strict arrival order, so big prompts are not starved
+            if not forked:
+                self.allocator.acquire(hits)
+            pages = hits + self.allocator.allocate(fresh)
+            self.waiting.popleft()
+            request.shared_pages = []
+            request.status = Status.RUNNING
+            request.slot = self.slots.index(None)
+            request.pages, request.num_pages_sent = pages, 0
+            request.num_computed = request.admitted_at = len(hits) * self.page_size
+            request.num_registered = len(hits)
+            request.prefill_target = target
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = 0 if forked else request.num_computed
+                request.queue_seconds = time.monotonic() - request.queued_at
+            if self.prefix_cache is not None and not forked:
+                self.prefix_cache_queries += target
+                self.prefix_cache_hits += request.num_computed
+            self.slots[request.slot] = request
+
+    def _fork(self, request: Request) -> None:
+        """Choice 0's prompt is prefilled (by the step being planned): its other choices may start. They
+        share its whole prompt pages (one more reference each) and compute the rest themselves, at least
+        the last prompt token, whose logits each samples with its own seed."""
+        full = (request.num_prompt_tokens - 1) // self.page_size
+        # A repetition penalty needs every prompt token to pass through the step (it marks them).
+        shared = request.pages[:full] if request.params.repetition_penalty == 1 else []
+        for choice in request.forks:
+            self.allocator.acquire(shared)
+            choice.shared_pages = list(shared)
+            self._requeue(choice)
+        request.forks = []
+
+    def _cached_prefix(self, request: Request, target: int) -> list[int]:
+        """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
+        params = request.params
+        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None:
+            return []  # a repetition penalty (prompt logprobs) needs every prompt token to go through a step
+        # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
+        # and everything after it land in pages this request owns alone.
+        usable = (target - 1) // self.page_size
+        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, _extra_keys(request))
+        return self.prefix_cache.lookup(request.page_keys[:usable])
+
+    def register_full_pages(self, request: Request) -> None:
+        """Offer the prefix cache every page that is full of known tokens whose K/V a dispatched step
+        writes. Later readers run after that step on the device, so they see the K/V."""
+        if self.prefix_cache is None or request.status is not Status.RUNNING:
+            return
+        full = min(request.num_computed, len(request.token_ids)) // self.page_size
+        if full <= request.num_registered:
+            return
+        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full, _extra_keys(request))
+        for i in range(request.num_registered, full):
+            self.prefix_cache.register(request.pages[i], keys[i])
+        request.num_registered = full
+
+    def _reserve_decode_pages(self) -> bool:
+        """Give every decoding sequence the pages its next span goes to (its token and any drafts),
+        preempting if need be. Returns whether anything was preempted."""
+        preempted = False
+        for request in sorted((r for r in self.slots if r is not None and self._wants_decode(r)),
+                              key=lambda r: r.arrival):
+            span = 1 + len(request.draft_token_ids) if not request.num_pending else 1
+            end = min(request.num_computed + span, request.max_len)
+            while request.status is Status.RUNNING and pages_needed(end, self.page_size) > len(request.pages):
+                page = self.allocator.allocate(1)
+                if page is not None:
+                    request.pages += page
+                elif pages_needed(request.num_computed + 1, self.page_size) <= len(request.pages):
+                    break  # room for its own token: the drafts wait
+                else:
+                    self._preempt(max(self.running, key=lambda r: r.arrival))
+                    preempted = True
+        return preempted
+
+    def _preempt(self, victim: Request) -> None:
+        self.register_full_pages(victim)  # what its dispatched steps wrote saves its recomputation
+        self._release(victim)
+        victim.status = Status.WAITING
+        victim.num_computed = 0
+        victim.num_pending = 0  # its in-flight draw is discarded and drawn again after recomputation
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(victim)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the front of the queue, in arrival order among the requests that arrived before."""
+        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        self.waiting.insert(position, request)
+
+    def _release(self, request: Request) -> None:
+        request.epoch += 1
+        request.pending_row = -1
+        request.num_pages_sent = 0
+        if request.shared_pages:  # a forked choice that never ran
+            self.allocator.free(request.shared_pages)
+            request.shared_pages = []
+        if request.slot is not None:
+            self.slots[request.slot] = None
+            request.slot = None
+        if request.pages:
+            self.allocator.free(request.pages)
+            request.pages = []
+
+    # ---- results -------------------------------------------------------------------------------------
+
+    def accept_draws(self, request: Request, seq: ScheduledSeq, accepted: int) -> None:
+        """A step's draws for `seq` reached the host and `accepted` of its tokens stand (the caller appends
+        them). Drafts after the first rejected one were computed for nothing: the next span recomputes
+        from there."""
+        request.num_pending -= 1
+        request.num_computed -= seq.num_draft_tokens - max(accepted - 1, 0)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every idle cached page (pages in use keep theirs); returns how many were evicted."""
+        return self.allocator.evict_cached()
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Finish (or abort) a request wherever it is; frees its slot and pages. Choices not forked yet are
+        the caller's to finish."""
+        if request.status is Status.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.forks = []
+        self.register_full_pages(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.num_pending = 0
+
+
+def _extra_keys(request: Request) -> tuple:
+    salt = request.params.cache_salt
+    return ("salt", salt) if salt is not None else ()

@@ -1,0 +1,51 @@
+"""A request's limits that depend on the model and the engine's fixed sizes, checked before anything is
+allocated: each failure is an `InvalidParameter` naming the parameter (a 400 from the server)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxserve.config import ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.errors import InvalidParameter
+from jaxserve.sampling.grammar import GrammarCompiler
+from jaxserve.sampling.params import SamplingParams
+
+
+def validate_request(prompt_ids: Sequence[int], params: SamplingParams, *, model: ModelConfig,
+                     scheduler: SchedulerConfig, sampler: SamplerConfig, suppressed_ids: tuple[int, ...],
+                     grammars: GrammarCompiler) -> None:
+    """`suppressed_ids`: what min_tokens would mask for these params (EOS and stop tokens)."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidParameter("sampling_params",
+                               f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if len(prompt_ids) == 0:
+        raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+    vocab = model.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise InvalidParameter("prompt", f"prompt contains token ids outside the vocabulary [0, {vocab})")
+    limit = scheduler.max_model_len
+    if len(prompt_ids) >= limit:
+        raise InvalidParameter("prompt", f"prompt has {len(prompt_ids)} tokens but the model's context length "
+                               f"(max_model_len) is {limit}: it must leave room for at least one new token")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidParameter(name, f"{name} must be token ids in [0, {vocab})")
+    if params.top_k > vocab:
+        raise InvalidParameter("top_k", f"top_k must be at most the vocabulary size {vocab} (or -1 / 0 "
+                               f"for no limit), got {params.top_k}")
+    most = sampler.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > most:
+            raise InvalidParameter(name, f"{name} may be at most {most} (--max-logprobs)")
+    entries = len(set(params.logit_bias or ()) | set(params.allowed_token_ids or ()))
+    if params.min_tokens:
+        entries += len(suppressed_ids)
+    if entries > sampler.max_logit_bias:
+        raise InvalidParameter("logit_bias" if params.logit_bias else "allowed_token_ids",
+                               f"{entries} logit_bias / allowed_token_ids entries (with min_tokens: plus the "
+                               f"EOS and stop tokens) exceed --max-logit-bias {sampler.max_logit_bias}")
+    if params.n > scheduler.max_num_seqs:
+        raise InvalidParameter("n", f"n may be at most --max-num-seqs ({scheduler.max_num_seqs})")
+    if params.structured_outputs is not None:
+        grammars.compile(params.structured_outputs)  # cached: cheap for a spec seen before

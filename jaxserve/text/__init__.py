@@ -1,0 +1,1 @@
+"""Text: the tokenizer, chat templates (sandboxed) and streaming detokenization. No JAX."""
