@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,3 +54,17 @@ def test_restart_compiles_from_cache_and_reports_every_program_as_a_hit(tmp_path
     # The step programs come from the program cache (not traced at all), and compute what they did.
     assert int(report_hits) == int(executables) == int(programs) and int(after) == 0
     assert tokens_again == tokens and len(json.loads(tokens)[0]) == 8
+
+
+def test_a_program_from_jax_s_cache_is_not_stored_in_the_program_cache(tmp_path):
+    """A code edit that leaves the programs alike: JAX's cache has them, the program cache (keyed by the code)
+    does not. An executable JAX loaded from its cache does not serialize whole on XLA:CPU (its copy loads,
+    then fails at the first step), so it must not go into the program cache: every later start takes them
+    from JAX's cache, and generates what the first did."""
+    *_, tokens = _warmup_cache_use(tmp_path)
+    shutil.rmtree(tmp_path / "jaxserve-programs")  # as after an edit: this code's programs are not there
+    for _ in range(2):
+        _, misses, report, tokens_again = _warmup_cache_use(tmp_path)
+        programs, hits, executables, after, _ = report.split(" ", 4)
+        assert misses == 0 and int(hits) == int(programs) and int(executables) == 0 and int(after) == 0
+        assert tokens_again == tokens

@@ -154,13 +154,19 @@ class StepCompiler:
 
     def build(self, layout: BatchLayout) -> None:
         """The step program of `layout`: from the program cache when this code has compiled it before, else
-        lowered and compiled (through JAX's persistent cache) and stored."""
+        lowered and compiled (through JAX's persistent cache) and stored. Called inside `events.counting`."""
         key = self.program_key(layout)
         compiled = self.programs.load(key, self.devices)
         if compiled is not None:
             self.events.loaded_from_program_cache()
-        else:
-            compiled = self.lower(layout).compile()
+            self._compiled[layout.tokens] = compiled
+            return
+        hits = self.events.cache_hits
+        compiled = self.lower(layout).compile()
+        # An executable JAX itself loaded from its persistent cache does not serialize whole on XLA:CPU: its
+        # copy would load, then fail at the first step ("Function ... not found"). Only a program compiled
+        # here goes in; one that came from JAX's cache is stored when a run compiles it afresh.
+        if self.events.cache_hits == hits:
             self.programs.store(key, compiled)
         self._compiled[layout.tokens] = compiled
 

@@ -36,7 +36,7 @@ from jax.experimental import serialize_executable
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the entry layout changes
+FORMAT = 2  # bump when the entry layout changes (2: entries re-serialized from JAX's cache were broken)
 CODE_VERSIONS_KEPT = 4
 _PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
 _NOT_PROGRAM_OPTIONS = re.compile(r"compilation_cache|persistent_cache|log|explain_cache_misses")
