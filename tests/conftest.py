@@ -1,10 +1,51 @@
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests run on the CPU; asking for it up front keeps JAX from probing for accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
+
+_CACHE_ENV = "JAXSERVE_TEST_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+    """One compilation cache for the whole run, before anything imports JAX: JAX's persistent cache and,
+    beside it, the engine's program cache (jaxserve's `ProgramCache.beside_jax_cache`). Most tests build
+    engines of the same few shapes; with the cache each step program is traced and compiled once per run,
+    and every later engine of that shape loads it. The run's first process (the xdist controller, or a
+    plain pytest) makes the folder and removes it at the end; xdist workers and the tests' subprocesses
+    (servers, the 8-device suite) inherit it through the environment. It lives for one run only: tests
+    that check what a start compiles give their programs shapes no other test uses."""
+    if not os.environ.get(_CACHE_ENV):
+        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxserve-test-cache-")
+        config._jaxserve_owned_cache = os.environ[_CACHE_ENV]
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_ENV]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # the tests' programs are small and many
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # A size limit turns on JAX's file lock: two workers may write and read the same entry at once.
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a worker per core, at most 4 (each holds a JAX runtime and its compiled programs)."""
+    return min(os.cpu_count() or 1, 4)
+
+
+def pytest_unconfigure(config):
+    owned = getattr(config, "_jaxserve_owned_cache", None)
+    if owned:
+        shutil.rmtree(owned, ignore_errors=True)
+
+
+@pytest.fixture
+def no_program_cache(monkeypatch):
+    """For tests that hook the runner's tracing (`StepCompiler.lower`): a program loaded from the program
+    cache is never traced, so their hook would not run. JAX's own cache, which comes after tracing, stays."""
+    from jaxserve.execution.program_cache import ProgramCache
+    monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(None)))
 
 # tests/multidevice needs 8 fake CPU devices, fixed when JAX starts: tests/test_sharding.py runs it as a
 # separate pytest process with JAX_NUM_CPU_DEVICES=8 and JAXSERVE_MULTIDEVICE=1.

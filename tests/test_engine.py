@@ -293,7 +293,7 @@ def _run_all(engine, prompts, max_tokens=6) -> list[list[int]]:
 
 
 def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_on_the_step_path(
-        stories_dir, monkeypatch):
+        stories_dir, monkeypatch, no_program_cache):
     """Ready after one program: until the others are compiled, steps fit the ready ones (a long prompt
     prefills in small chunks) and give the same tokens; nothing compiles outside warm-up."""
     args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
@@ -326,7 +326,8 @@ def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_o
     assert engine.compilations_since_warmup == 0
 
 
-def test_a_bucket_that_fails_to_compile_in_the_background_leaves_the_others_serving(stories_dir, monkeypatch):
+def test_a_bucket_that_fails_to_compile_in_the_background_leaves_the_others_serving(stories_dir, monkeypatch,
+                                                                                    no_program_cache):
     lower = StepCompiler.lower
 
     def failing(compiler, layout):

@@ -157,7 +157,10 @@ def test_health_answers_fast_while_a_1mb_prompt_is_tokenized(server, baseline):
                 latencies.append(time.perf_counter() - start)
         thread.join()
         assert_error(result["r"], 400, "prompt")  # tokenized, then too long for the context
-        assert result["seconds"] > 0.2 and len(latencies) >= 5 and max(latencies) < 0.1, (result, latencies)
+        # Had tokenizing blocked the event loop, a health check would have waited for most of it. A bound
+        # relative to the tokenization, not a fixed 0.1 s: on a loaded machine both stretch together.
+        assert result["seconds"] > 0.2 and len(latencies) >= 5, (result, latencies)
+        assert max(latencies) < result["seconds"] / 4, (result, latencies)
     finally:
         api.max_prompt_chars = saved
     assert_still_serving(server, baseline)

@@ -43,8 +43,11 @@ def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = Par
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
+    # Two step programs: single-token decodes (with the companions: up to 7 tokens) and prefill chunks; the
+    # alone and mixed runs of a case use the same two, compiled once per run (the suite's compilation cache).
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
-                       SchedulerConfig(max_num_seqs=3, max_model_len=MAX_LEN, max_num_batched_tokens=64),
+                       SchedulerConfig(max_num_seqs=3, max_model_len=MAX_LEN, max_num_batched_tokens=64,
+                                       token_buckets=(8, 64)),
                        select_attention_backend(backend), jnp.float32)
 
 

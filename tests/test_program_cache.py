@@ -1,5 +1,7 @@
 """The program cache (jaxserve/program_cache.py): compiled programs stored and loaded by what they are
-made of, never a stale one, and never an error that stops a start."""
+made of, never a stale one, and never an error that stops a start. A restarted engine loading every
+program, and never storing one that JAX loaded from its own cache: tests/test_compilation_cache.py, in
+fresh processes whose JAX cache the test controls (this suite's processes share one, see conftest.py)."""
 
 from __future__ import annotations
 
@@ -80,27 +82,3 @@ def test_only_the_latest_code_versions_are_kept(tmp_path):
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert len(kept) == program_cache.CODE_VERSIONS_KEPT and cache.directory.name in kept
     assert kept == sorted([cache.directory.name, "v5", "v4", "v3"])
-
-
-@pytest.fixture
-def programs_in(tmp_path, monkeypatch):
-    """The engine's program cache in tmp_path, without turning on JAX's own cache for this process."""
-    monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
-    return tmp_path
-
-
-def test_a_restarted_engine_loads_every_program_and_generates_the_same_tokens(stories_dir, programs_in):
-    from jaxserve import LLM, SamplingParams
-
-    def start():
-        llm = LLM(str(stories_dir), max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16)
-        tokens = [o.outputs[0].token_ids for o in
-                  llm.generate(["Once upon a time", "The cat"], SamplingParams(temperature=0, max_tokens=24))]
-        return llm.engine, tokens
-
-    first, tokens = start()
-    assert first.warmup_report.program_cache_hits == 0 and any(programs_in.rglob("*.program"))
-    again, tokens_again = start()
-    report = again.warmup_report
-    assert report.programs == first.warmup_report.programs and report.program_cache_hits == report.programs
-    assert tokens_again == tokens and again.compilations_since_warmup == 0

@@ -1,12 +1,6 @@
-"""Sharding: partition rules and mesh planning (here, one device), and the 8-device suite (subprocess).
+"""Sharding: partition rules and mesh planning (here, one device). The 8-device tests (tensor / pipeline
+parity, Orbax re-sharding) run in processes of their own: tests/test_eight_devices.py."""
 
-JAX fixes its device count when it starts, so tests/multidevice runs as a separate pytest process with
-JAX_NUM_CPU_DEVICES=8 (tensor / pipeline parity, Orbax re-sharding); its output is shown on failure.
-"""
-
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,19 +11,6 @@ from sharding import ParallelConfig, make_plan
 from sharding.rules import kv_cache_spec, param_layout, runtime_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-# A whole suite in one test: the per-test limit (600 s) is too short for it on a slow day of the 2-core
-# machine; the subprocess limit below is the one that counts.
-@pytest.mark.timeout(1500)
-def test_multidevice_suite_on_8_fake_cpu_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8", JAXSERVE_MULTIDEVICE="1",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip())
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/multidevice"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1400)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0 and "passed" in summary and "skipped" not in summary, \
-        result.stdout[-8000:] + result.stderr[-4000:]
 
 
 MESH = {"pipeline": 2, "tensor": 4, "kv_replica": 2}  # tp 8 over a model with 4 KV heads

@@ -14,6 +14,7 @@ from jaxserve.entrypoints.cli import main as cli_main
 from jaxserve.config import ModelConfig
 from jaxserve.loader.load import load_sharded
 from sharding import ParallelConfig, make_plan
+from tests.multidevice.test_mesh import ENGINE
 
 PROMPTS = ["Once upon a time", "", "The cat sat on"]
 
@@ -65,11 +66,10 @@ def test_restored_params_equal_safetensors_load(stories_dir, converted, tp, pp):
 
 def test_restored_checkpoint_generates_the_same_tokens(stories_dir, converted):
     params = SamplingParams(temperature=0, max_tokens=40)
-    reference = [o.outputs[0].token_ids for o in
-                 LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
-                 .generate(PROMPTS, params)]
+    # The engine shape of test_mesh.py: its step programs come from the run's program cache, whichever runs first.
+    reference = [o.outputs[0].token_ids for o in LLM(str(stories_dir), **ENGINE).generate(PROMPTS, params)]
     for tp in (4, 1):
-        llm = LLM(str(converted), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, tensor_parallel_size=tp)
+        llm = LLM(str(converted), **ENGINE, tensor_parallel_size=tp)
         assert llm.engine.model_name == converted.name
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == reference
 

@@ -26,10 +26,13 @@ MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2)]
 _LLMS: dict = {}
 
 
+# Two step programs per mesh: a decode of the 4 slots, and the budget for prefills (each compiles for seconds).
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128)
+
+
 def _llm(stories_dir, tp, pp):
     if (tp, pp) not in _LLMS:
-        _LLMS[(tp, pp)] = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        _LLMS[(tp, pp)] = LLM(str(stories_dir), **ENGINE, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     return _LLMS[(tp, pp)]
 
 
@@ -93,8 +96,10 @@ def test_a_restart_on_a_mesh_loads_its_programs_and_matches_one_device(stories_d
     from jaxserve.execution.program_cache import ProgramCache
     monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
     for restart in (False, True):
-        # Two step programs (not six): the test is about loading them, and each compiles for seconds.
-        llm = LLM(str(stories_dir), max_num_seqs=4, token_buckets=(4, 8), max_model_len=128,
+        # Two step programs (not six): the test is about loading them, and each compiles for seconds. Their
+        # shapes are this test's own: a program JAX's cache (shared by the run) already held would come from
+        # there, and is never copied into the program cache (see tests/test_compilation_cache.py).
+        llm = LLM(str(stories_dir), max_num_seqs=4, token_buckets=(2, 8), max_model_len=128,
                   tensor_parallel_size=2, pipeline_parallel_size=2)
         report = llm.engine.warmup_report
         assert report.programs > 1 and report.program_cache_hits == (report.programs if restart else 0)
