@@ -272,9 +272,12 @@ def test_num_pages_too_small_for_one_context_is_refused(stories_dir):
         Engine(EngineArgs(model=str(stories_dir), page_size=4, num_pages=8, max_model_len=64))
 
 
-def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_llm):
-    # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations.
-    engine = stories_llm.engine
+def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_dir, no_program_cache):
+    # Guards the zero-compilation assertions elsewhere: the counter must actually see compilations. One
+    # program, traced here (not loaded from the run's program cache), so warm-up really lowers something.
+    engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=8, token_buckets=(8,),
+                               max_model_len=64))
+    engine.warmup()
     assert engine.compile_events.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
     before = engine.compilations_since_warmup
     engine.runner.launch(StepPlan([], 1), with_logits=True).sampled()  # a variant warm-up did not build
