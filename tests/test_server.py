@@ -13,14 +13,14 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from tests.page_checks import assert_pages_released
 from server.options import ServerOptions
-from tests.server_harness import running_server, scrape
+from tests.server_harness import SHARED_ENGINE, running_server, scrape
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=128)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     # stories260K has no chat template of its own: the server's (--chat-template) stands in.
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as (base, async_engine):
         yield base, async_engine
