@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.pooling.config import RUNNERS
+from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
     from sharding import ParallelConfig
@@ -53,6 +53,7 @@ class EngineArgs:
     def __post_init__(self):
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        parse_pooler_overrides(self.pooler_config)  # a bad --pooler-config fails before the model loads
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():

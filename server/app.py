@@ -50,6 +50,7 @@ from server.protocol import ChatCompletionRequest, error_body
 from server.chat import chat_route
 from server.responses import model_card
 from server.completions import completions_route
+from server.embeddings import embeddings_route, runner_route
 from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
@@ -400,14 +401,19 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         # Stop the engine with the app (multi-host: the other processes are released and all leave together).
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
+    def generating(handler, api_name: str):
+        return runner_route(api, "generate", api_name, functools.partial(handler, api))
+
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
-        Route("/v1/completions", functools.partial(completions_route, api), methods=["POST"]),
-        Route("/v1/chat/completions", functools.partial(chat_route, api), methods=["POST"]),
-        Route("/v1/responses", functools.partial(responses_route, api), methods=["POST"]),
+        Route("/v1/completions", generating(completions_route, "Completions API"), methods=["POST"]),
+        Route("/v1/chat/completions", generating(chat_route, "Chat Completions API"), methods=["POST"]),
+        Route("/v1/responses", generating(responses_route, "Responses API"), methods=["POST"]),
+        Route("/v1/embeddings", runner_route(api, "pooling", "Embeddings API",
+                                             functools.partial(embeddings_route, api)), methods=["POST"]),
         Route("/v1/responses/{response_id}", functools.partial(get_response_route, api), methods=["GET"]),
         Route("/v1/responses/{response_id}", functools.partial(delete_response_route, api), methods=["DELETE"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),

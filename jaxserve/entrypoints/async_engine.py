@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable, Sequence
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling.params import SamplingParams
 from sharding import multihost
 
@@ -133,6 +134,28 @@ class AsyncEngine:
                 running -= item.finished
                 finished = running == 0
                 yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.engine is not None:
+                self.abort(request_id)
+
+    async def embed(self, prompt_ids: Sequence[int], params: PoolingParams, request_id: str,
+                    prompt: str | None = None) -> EmbeddingRequestOutput | RequestOutput:
+        """Queue a pooling request and wait for its embedding (a `RequestOutput` with finish_reason "abort"
+        instead when it was aborted meanwhile). ValueError (before anything is queued) on bad input."""
+        if self.error:
+            raise EngineDeadError(self.error)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self.engine.add_pooling_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self._wake.set()
+            item = await q.get()
+            if isinstance(item, Exception):
+                raise item
+            finished = True
+            return item
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.engine is not None:

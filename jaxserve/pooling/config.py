@@ -75,7 +75,7 @@ class PoolerConfig:
             settings = _sentence_transformers_pooling(directory)
             if (directory / "config.json").is_file():
                 hf = json.loads((directory / "config.json").read_text())
-        settings.update(_parse_overrides(overrides))
+        settings.update(parse_pooler_overrides(overrides))
         dims = hf.get("matryoshka_dimensions") or ()
         config = cls(**settings, matryoshka_dimensions=tuple(int(d) for d in dims),
                      matryoshka=bool(dims) or bool(hf.get("is_matryoshka")), hidden_size=hf.get("hidden_size"))
@@ -134,7 +134,7 @@ def _sentence_transformers_pooling(directory: Path) -> dict:
     return settings
 
 
-def _parse_overrides(overrides: dict | str | None) -> dict:
+def parse_pooler_overrides(overrides: dict | str | None) -> dict:
     """`--pooler-config` as vLLM spells it: JSON with `pooling_type` and `normalize`; other keys refused."""
     if overrides is None:
         return {}
@@ -151,6 +151,9 @@ def _parse_overrides(overrides: dict | str | None) -> dict:
     settings = dict(overrides)
     if "pooling_type" in settings:
         settings["pooling_type"] = str(settings["pooling_type"]).upper()
+        if settings["pooling_type"] not in POOLING_TYPES:
+            raise ValueError(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {overrides['pooling_type']!r}")
     if "normalize" in settings and not isinstance(settings["normalize"], bool):
         raise ValueError(f"pooler_config normalize must be true or false, got {settings['normalize']!r}")
     return settings
