@@ -2,7 +2,8 @@
 
 1. `build_model` creates the device mesh (tensor x pipeline parallel, joining `jax.distributed` first
    when asked) and loads the weights straight onto it (Hugging Face safetensors or a checkpoint written
-   by `jaxserve convert`); `_finish_build` resolves the rest: context length, token budget and buckets
+   by `jaxserve convert`) and resolves the runner (`--runner`: generate, or pooling with the model's pooler
+   config; a pooling model loads no LM head); `_finish_build` resolves the rest: context length, token budget and buckets
    of a step, attention backend, and — once the weights are on the device — the KV page pool
    (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random

@@ -1,7 +1,8 @@
 """The engine loop: schedule a step, launch it on the device, advance requests by the step before.
 
 1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
-   before anything is allocated) and queues its choices. Additions and aborts from other threads land in
+   before anything is allocated) and queues its choices; `add_pooling_request` queues a prompt to embed
+   (pooling runner: `jaxserve/pooling/`). Additions and aborts from other threads land in
    an inbox that the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
    then, while the device runs it, reads the draws of the step before and hands them to

@@ -3,7 +3,8 @@
 1. `start()` spawns the engine thread, which loads the model, compiles every program (warm-up) and sets
    `ready`; until then servers answer 503.
 2. `generate()` (asyncio side) validates and queues a request, then yields each `RequestOutput` the
-   thread posts to the request's queue through `call_soon_threadsafe`.
+   thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does the same for a
+   pooling request and its one `EmbeddingRequestOutput`.
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.

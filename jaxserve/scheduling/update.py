@@ -9,7 +9,8 @@
    choice ends the row: tokens after it are dropped, and a stop string that ends inside the span cuts
    the text there. Then it frees what finished and offers the pages the step filled to the prefix cache.
 3. A draw for a request that finished, was aborted or was preempted after the step was planned is
-   discarded (its epoch moved on).
+   discarded (its epoch moved on). A pooling request draws nothing: each chunk's pooled row is folded
+   into it, and the chunk that ends its prompt finishes it with an `EmbeddingRequestOutput`.
 4. It returns a `RequestOutput` per choice that progressed, carrying what is new (text that became
    final, token ids, their log-probabilities when asked for) and, once the choice is finished, the whole
    result. Nothing on the way copies a choice's whole output, so host work follows what changed.
