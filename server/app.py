@@ -250,13 +250,7 @@ class OpenAIServer:
             if out.finished:
                 self.metrics.observe_request(timers[i], out)
 
-        async def watch_disconnect():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            for rid in request_ids:
-                self.async_engine.abort(rid)
-
-        watcher = asyncio.create_task(watch_disconnect())
+        watcher = self.abort_on_disconnect(request, request_ids)
         pumps: list[asyncio.Task] = []
         try:
             if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
@@ -288,6 +282,15 @@ class OpenAIServer:
                 task.cancel()
             self._live.difference_update(request_ids)
             self.in_flight -= sum(p.n for p in params)
+
+    def abort_on_disconnect(self, request: Request, request_ids: list[str]) -> asyncio.Task:
+        """A task that aborts the engine requests once the client goes away (cancel it when they are done)."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            for rid in request_ids:
+                self.async_engine.abort(rid)
+        return asyncio.create_task(watch())
 
     def abort_all(self) -> int:
         """End every running request now (finish_reason "abort"); returns how many."""

@@ -147,14 +147,7 @@ async def _run_all(api, request: Request, prompt_ids: list[list[int]], params: P
     for ids in prompt_ids:
         api.metrics.prompt_tokens.inc(len(ids))
     api._live.update(request_ids)  # abort_all (the end of a shutdown's grace period) ends them too
-
-    async def watch_disconnect():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        for rid in request_ids:
-            api.async_engine.abort(rid)
-
-    watcher = asyncio.create_task(watch_disconnect())
+    watcher = api.abort_on_disconnect(request, request_ids)
     try:
         return await asyncio.gather(*(api.async_engine.embed(ids, params, rid, text)
                                       for ids, rid, text in zip(prompt_ids, request_ids, texts)))

@@ -118,7 +118,8 @@ def _st_dir(tmp_path, pooling: dict, modules=("Transformer", "Pooling", "Normali
 
 def test_pooler_config_from_sentence_transformers_files(tmp_path):
     assert PoolerConfig.for_model(FIXTURE) == PoolerConfig("LAST", True, hidden_size=64)
-    mean = _st_dir(tmp_path, {"pooling_mode_mean_tokens": True, "include_prompt": True}, modules=("Transformer", "Pooling"))
+    mean = _st_dir(tmp_path, {"pooling_mode_mean_tokens": True, "include_prompt": True},
+                   modules=("Transformer", "Pooling"))
     assert PoolerConfig.for_model(mean) == PoolerConfig("MEAN", False)
     assert resolve_runner("auto", mean) == "pooling"  # modules.json, even with a causal-LM architecture
     assert PoolerConfig.for_model(mean, '{"pooling_type": "cls", "normalize": true}') == PoolerConfig("CLS", True)

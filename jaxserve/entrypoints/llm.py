@@ -53,18 +53,9 @@ class LLM:
         return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
 
     def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
-        tokenizer = self.engine.tokenizer
-        encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        encoded, sampling_params = self._encoded(prompts, sampling_params, SamplingParams, "sampling_params")
         # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
         for (_, ids), params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
@@ -81,16 +72,8 @@ class LLM:
         return self.engine.call(lambda: self._embed(prompts, pooling_params, use_tqdm), on_follower=[])
 
     def _embed(self, prompts, pooling_params, use_tqdm: bool) -> list[EmbeddingRequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt")
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
-        if len(pooling_params) != len(prompts):
-            raise ValueError(f"pooling_params has {len(pooling_params)} entries for {len(prompts)} prompts")
-        tokenizer = self.engine.tokenizer
-        encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        encoded, pooling_params = self._encoded(prompts, PoolingParams() if pooling_params is None else pooling_params,
+                                                PoolingParams, "pooling_params")
         for (_, ids), params in zip(encoded, pooling_params):  # everything checked before anything is queued
             self.engine.validate_pooling(ids, params)
         ids = [self.engine.add_pooling_request(ids, params, prompt=text)
@@ -102,6 +85,20 @@ class LLM:
                     done[output.request_id] = output
                     bar.update()
         return [done[i] for i in ids]
+
+    def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int]]],
+                                                                                list]:
+        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass at least one prompt")
+        if isinstance(params, params_type):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
+        tokenizer = self.engine.tokenizer
+        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts], params
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
