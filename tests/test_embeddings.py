@@ -117,7 +117,7 @@ def _st_dir(tmp_path, pooling: dict, modules=("Transformer", "Pooling", "Normali
 
 
 def test_pooler_config_from_sentence_transformers_files(tmp_path):
-    assert PoolerConfig.for_model(FIXTURE) == PoolerConfig("LAST", True, hidden_size=64)
+    assert PoolerConfig.for_model(FIXTURE) == PoolerConfig("LAST", True, hidden_size=64, max_seq_length=256)
     mean = _st_dir(tmp_path, {"pooling_mode_mean_tokens": True, "include_prompt": True},
                    modules=("Transformer", "Pooling"))
     assert PoolerConfig.for_model(mean) == PoolerConfig("MEAN", False)

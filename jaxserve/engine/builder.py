@@ -71,8 +71,15 @@ def build_model(args: EngineArgs) -> BuiltModel:
     demo = args.model is None
     config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
     runner = resolve_runner(args.runner, args.model)
-    if runner == "pooling":  # the step stops at the final norm: an untied LM head is never read
+    pooler = None
+    if runner == "pooling":  # the model's sentence-transformers pooling, then --pooler-config
+        # The step stops at the final norm: an untied LM head is never read, so it is not loaded.
         config = dataclasses.replace(config, has_lm_head=False)
+        pooler = dataclasses.replace(PoolerConfig.for_model(args.model, args.pooler_config),
+                                     hidden_size=config.hidden_size)
+        if args.max_model_len is None and pooler.max_seq_length:  # the context it was trained to embed
+            args = dataclasses.replace(args, max_model_len=min(pooler.max_seq_length,
+                                                               config.max_position_embeddings))
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
     # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
@@ -90,10 +97,6 @@ def build_model(args: EngineArgs) -> BuiltModel:
     model = load_weights(reader, config, dtype, plan)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)
-    pooler = None
-    if runner == "pooling":  # the model's sentence-transformers pooling, then --pooler-config
-        pooler = dataclasses.replace(PoolerConfig.for_model(args.model, args.pooler_config),
-                                     hidden_size=config.hidden_size)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 

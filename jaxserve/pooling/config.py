@@ -41,6 +41,9 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] = ()
     matryoshka: bool = False
     hidden_size: int | None = None
+    # sentence-transformers' `max_seq_length` (sentence_bert_config.json): the context the model was trained
+    # for, and the default context length of a pooling engine, as in vLLM.
+    max_seq_length: int | None = None
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
@@ -75,6 +78,9 @@ class PoolerConfig:
             settings = _sentence_transformers_pooling(directory)
             if (directory / "config.json").is_file():
                 hf = json.loads((directory / "config.json").read_text())
+            st_config = directory / "sentence_bert_config.json"
+            if st_config.is_file() and json.loads(st_config.read_text()).get("max_seq_length"):
+                settings["max_seq_length"] = int(json.loads(st_config.read_text())["max_seq_length"])
         settings.update(parse_pooler_overrides(overrides))
         dims = hf.get("matryoshka_dimensions") or ()
         config = cls(**settings, matryoshka_dimensions=tuple(int(d) for d in dims),
