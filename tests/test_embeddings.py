@@ -189,3 +189,14 @@ def test_checkpoint_with_model_prefix_and_lm_head_loads_as_the_bare_one(tmp_path
 def jax_leaves(tree):
     import jax
     return jax.tree.leaves(tree)
+
+
+def test_serve_flags_reach_the_engine_args():
+    from jaxserve.entrypoints.args import engine_args_from
+    from jaxserve.entrypoints.cli import build_parser
+
+    argv = ["serve", str(FIXTURE), "--runner", "pooling", "--pooler-config", '{"pooling_type": "MEAN"}']
+    args = engine_args_from(build_parser().parse_args(argv))
+    assert (args.runner, args.pooler_config) == ("pooling", '{"pooling_type": "MEAN"}')
+    with pytest.raises(ValueError, match="pooling_type"):  # before any model is loaded
+        engine_args_from(build_parser().parse_args(argv[:-1] + ['{"pooling_type": "MAX"}']))
