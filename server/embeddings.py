@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.entrypoints.async_engine import EngineDeadError
+from jaxserve.entrypoints.async_engine import EngineDeadError, TokenTimer
 from jaxserve.errors import InvalidParameter
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from server.errors import APIError, error_response, internal_error, request_id_of
@@ -148,9 +148,15 @@ async def _run_all(api, request: Request, prompt_ids: list[list[int]], params: P
         api.metrics.prompt_tokens.inc(len(ids))
     api._live.update(request_ids)  # abort_all (the end of a shutdown's grace period) ends them too
     watcher = api.abort_on_disconnect(request, request_ids)
+
+    async def one(ids: list[int], rid: str, text: str | None):
+        timer = TokenTimer()
+        out = await api.async_engine.embed(ids, params, rid, text)
+        api.metrics.observe_request(timer, out)  # request count, end-to-end and queue time, prompt length
+        return out
+
     try:
-        return await asyncio.gather(*(api.async_engine.embed(ids, params, rid, text)
-                                      for ids, rid, text in zip(prompt_ids, request_ids, texts)))
+        return await asyncio.gather(*(one(ids, rid, text) for ids, rid, text in zip(prompt_ids, request_ids, texts)))
     finally:
         watcher.cancel()
         api._live.difference_update(request_ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 
 import httpx
 import numpy as np
@@ -84,6 +85,9 @@ def test_concurrent_requests_are_batched_and_equal_alone(server):
                                    atol=TOLERANCE, rtol=0)
     assert stats.step_sequences - seqs > stats.steps - steps  # requests shared steps
     assert_pages_released(async_engine.engine.scheduler)
+    metrics = httpx.get(f"{base}/metrics").text
+    done = re.search(r'vllm:request_success_total{[^}]*finished_reason="stop"[^}]*} ([0-9.]+)', metrics)
+    assert done and float(done.group(1)) >= 12  # embeddings count as finished requests, as in vLLM
 
 
 @pytest.mark.parametrize("body, status, param, code", [

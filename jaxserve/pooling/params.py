@@ -84,6 +84,8 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
     queue_seconds: float | None = None
     num_cached_tokens: int = 0
+    finish_reason: str = "stop"  # as a generated choice's, for the request metrics
+    num_output_tokens: int = 0
 
     @property
     def embedding(self) -> list[float]:
