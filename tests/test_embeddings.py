@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.embedding_model import ENGINE_KWARGS, FIXTURE, as_text, golden, golden_prompts, servable_copy
+from tests.page_checks import assert_pages_released
 from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.pooling.config import PoolerConfig, parse_pooler_overrides, resolve_runner
 from jaxserve.pooling.params import PooledPrompt, PoolingParams
@@ -92,6 +93,17 @@ def test_bad_requests_are_refused_before_anything_runs(embed_llm):
         PoolingParams(pooling_type="MAX")
     assert embed_llm.embed([[3] * 64])[0].finished  # a prompt as long as the context fits: nothing is generated
     assert not embed_llm.engine.has_unfinished()
+
+
+def test_an_aborted_embedding_frees_everything(embed_llm):
+    engine = embed_llm.engine
+    request_id = engine.add_pooling_request(golden_prompts()[3])  # 40 tokens: three steps
+    outputs = engine.step()
+    engine.abort(request_id)
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [(request_id, "abort")]
+    assert_pages_released(engine.scheduler)
 
 
 def test_generate_runner_refuses_embeddings():
