@@ -11,11 +11,11 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.embedding_model import ENGINE_KWARGS, FIXTURE, as_text, golden, golden_prompts, servable_copy
-from tests.page_checks import assert_pages_released
 from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.pooling.config import PoolerConfig, parse_pooler_overrides, resolve_runner
 from jaxserve.pooling.params import PooledPrompt, PoolingParams
+from tests.embedding_model import ENGINE_KWARGS, FIXTURE, as_text, golden, golden_prompts, servable_copy
+from tests.page_checks import assert_pages_released
 
 TOLERANCE = 1e-4  # the fixture README's, for float32
 
