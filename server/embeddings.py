@@ -90,7 +90,7 @@ async def embeddings_route(api, request: Request) -> Response:
         api.admit(len(inputs))
         admitted = len(inputs)
         for item in inputs:
-            if isinstance(item, str):
+            if isinstance(item, str) and body.truncate_prompt_tokens is None:  # too long to be worth tokenizing
                 api.prompt_fits(item, "input")
         tok = api.engine.tokenizer
         prompt_ids = await run_in_threadpool(lambda: [
@@ -113,7 +113,7 @@ async def embeddings_route(api, request: Request) -> Response:
                                        "server_error", code="aborted"))
     tokens = sum(len(ids) for ids in prompt_ids)
     return JSONResponse({
-        "id": f"embd-{api.chosen_id(request) or body.request_id or uuid.uuid4().hex}", "object": "list",
+        "id": api.response_id(request, body, "embd"), "object": "list",
         "created": int(time.time()), "model": api.engine.model_name,
         "data": [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, body.encoding_format)}
                  for i, out in enumerate(outputs)],

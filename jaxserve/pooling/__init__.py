@@ -2,8 +2,8 @@
 
 1. At start, `config.py` decides the runner (`--runner auto` follows vLLM: a sentence-transformers model
    or an architecture named `...Model` embeds) and the `PoolerConfig`: the pooling type (last token, mean,
-   CLS), normalization and Matryoshka sizes, from the model's sentence-transformers files and then
-   `--pooler-config`.
+   CLS) and normalization from the model's sentence-transformers files and then `--pooler-config`, the
+   Matryoshka sizes from its `config.json`.
 2. Each step, the step program pools each sequence row's share of the step on the device (`device.py`):
    the hidden state of its last or first token, or the sum of its tokens, one float32 row per sequence
    in fixed shapes, where a generating step samples.

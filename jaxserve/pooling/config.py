@@ -102,7 +102,7 @@ def resolve_runner(runner: str, model_dir: str | Path | None) -> str:
     if (directory / "modules.json").is_file():
         return "pooling"
     config = directory / "config.json"
-    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
     if architectures and all(a.endswith("Model") for a in architectures):
         return "pooling"
     return "generate"
@@ -120,20 +120,13 @@ def _sentence_transformers_pooling(directory: Path) -> dict:
     pooling = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
     if pooling is not None and (directory / pooling.get("path", "") / "config.json").is_file():
         mode = json.loads((directory / pooling["path"] / "config.json").read_text())
-        if mode.get("pooling_mode"):  # newer sentence-transformers write the mode by name
-            named = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}.get(mode["pooling_mode"])
-            if named is None:
-                raise ValueError(f"{directory}: pooling_mode {mode['pooling_mode']!r} is not supported "
-                                 f"(supported: lasttoken, mean, cls)")
-            settings["pooling_type"] = named
-        else:
-            unsupported = [k for k in _ST_UNSUPPORTED if mode.get(k)]
-            chosen = [ours for key, ours in _ST_MODES.items() if mode.get(key)]
-            if unsupported or len(chosen) > 1:
-                raise ValueError(f"{directory}: the sentence-transformers pooling {unsupported or chosen} is not "
-                                 f"supported: one of last token, mean or CLS pooling")
-            if chosen:
-                settings["pooling_type"] = chosen[0]
+        unsupported = [k for k in _ST_UNSUPPORTED if mode.get(k)]
+        chosen = [ours for key, ours in _ST_MODES.items() if mode.get(key)]
+        if unsupported or len(chosen) > 1:
+            raise ValueError(f"{directory}: the sentence-transformers pooling {unsupported or chosen} is not "
+                             f"supported: one of last token, mean or CLS pooling")
+        if chosen:
+            settings["pooling_type"] = chosen[0]
         if mode.get("include_prompt") is False:
             raise ValueError(f"{directory}: include_prompt false (pooling that skips an instruction prefix) "
                              f"is not supported")
