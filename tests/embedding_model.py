@@ -7,6 +7,7 @@ made here adds a word-level tokenizer whose word `t<i>` is token i, so text inpu
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -33,12 +34,15 @@ def as_text(ids: list[int]) -> str:
     return " ".join(f"t{i}" for i in ids)
 
 
-def servable_copy(root: Path) -> Path:
-    """The fixture with a tokenizer, under `root`."""
+def servable_copy(root: Path, **config: object) -> Path:
+    """The fixture with a tokenizer, under `root`; `config`: entries added to its config.json."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     target = root / "qwen3_embed"
     shutil.copytree(FIXTURE, target)
+    if config:
+        (target / "config.json").write_text(json.dumps({**json.loads((FIXTURE / "config.json").read_text()),
+                                                        **config}, indent=2))
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(target / "tokenizer.json"))

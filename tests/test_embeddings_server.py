@@ -23,7 +23,8 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    model = servable_copy(tmp_path_factory.mktemp("embed-server"))
+    # Served as a Matryoshka model (a config.json entry: the weights are the same), for `dimensions`.
+    model = servable_copy(tmp_path_factory.mktemp("embed-server"), matryoshka_dimensions=[16, 32, 64])
     with running_server(EngineArgs(model=str(model), runner="pooling", **ENGINE_KWARGS)) as (base, async_engine):
         yield base, async_engine
 
@@ -47,6 +48,10 @@ def test_openai_client_float_and_base64(client):
         assert out.model == model and out.object == "list"
     one = client.embeddings.create(model=model, input=prompts[1])  # one list of token ids
     np.testing.assert_allclose(one.data[0].embedding, g["last_token_normalized"][1], atol=TOLERANCE, rtol=0)
+    # Matryoshka: the first 32 dimensions, normalized again
+    cut = client.embeddings.create(model=model, input=texts[2], dimensions=32).data[0].embedding
+    expected = g["last_token"][2, :32] / np.linalg.norm(g["last_token"][2, :32])
+    np.testing.assert_allclose(cut, expected, atol=TOLERANCE, rtol=0)
 
 
 def test_raw_base64_token_id_batches_and_truncation(server):
@@ -91,7 +96,8 @@ def test_concurrent_requests_are_batched_and_equal_alone(server):
 
 
 @pytest.mark.parametrize("body, status, param, code", [
-    ({"input": "t3 t4", "dimensions": 8}, 400, "dimensions", None),  # not a Matryoshka model
+    ({"input": "t3 t4", "dimensions": 8}, 400, "dimensions", None),  # not one of the model's sizes
+    ({"input": "t3 t4", "dimensions": 128}, 400, "dimensions", None),
     ({"input": []}, 400, "input", None),
     ({"input": ""}, 400, "input", None),
     ({"input": [[3, 4], []]}, 400, "input", None),
