@@ -1,8 +1,9 @@
 """`POST /v1/embeddings`: OpenAI's embeddings API over the pooling runner (`--runner pooling`).
 
 1. The body (`EmbeddingRequest`) takes `input` as a string, a list of strings, a list of token ids or a
-   list of those; `encoding_format` float or base64 (little-endian float32, what the `openai` client asks
-   for by default); `dimensions` only where the model is Matryoshka (else a 400 naming it); vLLM's
+   list of those, or (vLLM's chat-style request) `messages`, rendered by the chat template as for chat;
+   `encoding_format` float or base64 (little-endian float32, what the `openai` client asks for by
+   default); `dimensions` only where the model is Matryoshka (else a 400 naming it); vLLM's
    `truncate_prompt_tokens`, `add_special_tokens` and `normalize`. Other vLLM fields are refused by name.
 2. Every input is admitted against the queue limit, tokenized on a worker thread and checked by the
    engine (`Engine.validate_pooling`) before any is queued; then all run at once, batched by the engine
@@ -16,10 +17,10 @@ import asyncio
 import base64
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,12 +28,11 @@ from starlette.responses import JSONResponse, Response
 from jaxserve.entrypoints.async_engine import EngineDeadError, TokenTimer
 from jaxserve.errors import InvalidParameter
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
-from server.errors import APIError, error_response, internal_error, request_id_of
-from server.protocol import MAX_PROMPTS, UnsupportedField
+from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
+from server.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, UnsupportedField
 
 # vLLM fields of its embedding request that this server refuses unless they keep their default.
 _UNSUPPORTED = {
-    "messages": (None, "chat-style embedding requests (messages) are not supported: send the text as input"),
     "priority": (0, "priority scheduling is not enabled"),
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
     "embed_dtype": ("float32", "embed_dtype other than float32 is not supported"),
@@ -43,13 +43,19 @@ _UNSUPPORTED = {
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's chat-style request instead of `input`: the messages rendered by the chat template, embedded whole.
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (the template has them)
     normalize: bool | None = None
     request_id: str | None = None
 
@@ -67,6 +73,8 @@ class EmbeddingRequest(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
+        if (self.input is None) == (self.messages is None):
+            raise UnsupportedField("input", "give input, or messages (a chat to embed): exactly one of them")
         for name, (default, why) in _UNSUPPORTED.items():
             if (self.model_extra or {}).get(name, default) != default:
                 raise UnsupportedField(name, why)
@@ -80,13 +88,24 @@ class EmbeddingRequest(BaseModel):
         value = self.input
         return [value] if isinstance(value, str) or isinstance(value[0], int) else list(value)
 
+    def as_chat(self) -> ChatCompletionRequest:
+        """The messages as a chat request, for the server's chat template rendering."""
+        try:
+            return ChatCompletionRequest(messages=self.messages, add_generation_prompt=self.add_generation_prompt,
+                                         continue_final_message=self.continue_final_message,
+                                         chat_template=self.chat_template,
+                                         chat_template_kwargs=self.chat_template_kwargs)
+        except ValidationError as e:
+            raise validation_error(e) from None
+
 
 async def embeddings_route(api, request: Request) -> Response:
     admitted = 0
     try:
         api.require_ready()
         body: EmbeddingRequest = await api.parse(request, EmbeddingRequest)
-        inputs = body.inputs()
+        inputs = [await run_in_threadpool(api.render_chat, body.as_chat())] if body.messages else body.inputs()
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
         api.admit(len(inputs))
         admitted = len(inputs)
         for item in inputs:
@@ -94,7 +113,7 @@ async def embeddings_route(api, request: Request) -> Response:
                 api.prompt_fits(item, "input")
         tok = api.engine.tokenizer
         prompt_ids = await run_in_threadpool(lambda: [
-            _truncate(api, tok.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p),
+            _truncate(api, tok.encode(p, special) if isinstance(p, str) else list(p),
                       body.truncate_prompt_tokens) for p in inputs])
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         for ids in prompt_ids:

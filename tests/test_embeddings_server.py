@@ -17,15 +17,19 @@ from jaxserve.engine_args import EngineArgs
 from tests.embedding_model import ENGINE_KWARGS, as_text, golden, golden_prompts, servable_copy
 from tests.page_checks import assert_pages_released
 from tests.server_harness import running_server
+from server.options import ServerOptions
 
 TOLERANCE = 1e-4
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Served as a Matryoshka model (a config.json entry: the weights are the same), for `dimensions`.
     model = servable_copy(tmp_path_factory.mktemp("embed-server"), matryoshka_dimensions=[16, 32, 64])
-    with running_server(EngineArgs(model=str(model), runner="pooling", **ENGINE_KWARGS)) as (base, async_engine):
+    options = ServerOptions(chat_template=TEMPLATE)  # the fixture has no chat template of its own
+    with running_server(EngineArgs(model=str(model), runner="pooling", **ENGINE_KWARGS),
+                        options=options) as (base, async_engine):
         yield base, async_engine
 
 
@@ -73,6 +77,19 @@ def test_raw_base64_token_id_batches_and_truncation(server):
     assert async_engine.engine.compilations_since_warmup == 0
 
 
+def test_chat_style_messages_embed_the_rendered_conversation(server):
+    base, _ = server
+    g, prompts = golden(), golden_prompts()
+    half = len(prompts[2]) // 2
+    messages = [{"role": "system", "content": as_text(prompts[2][:half])},
+                {"role": "user", "content": [{"type": "text", "text": as_text(prompts[2][half:])}]}]
+    r = httpx.post(f"{base}/v1/embeddings", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["data"][0]["embedding"], g["last_token_normalized"][2], atol=TOLERANCE,
+                               rtol=0)
+    assert r.json()["usage"]["prompt_tokens"] == len(prompts[2])
+
+
 def test_concurrent_requests_are_batched_and_equal_alone(server):
     base, async_engine = server
     g, prompts = golden(), golden_prompts()
@@ -101,11 +118,13 @@ def test_concurrent_requests_are_batched_and_equal_alone(server):
     ({"input": []}, 400, "input", None),
     ({"input": ""}, 400, "input", None),
     ({"input": [[3, 4], []]}, 400, "input", None),
-    ({}, 400, "input", None),
+    ({}, 400, "input", "unsupported_parameter"),
     ({"input": [3] * 65}, 400, "input", "context_length_exceeded"),
     ({"input": [3, 999]}, 400, "input", None),
     ({"input": "t3", "encoding_format": "int8"}, 400, "encoding_format", None),
-    ({"input": "t3", "messages": [{"role": "user", "content": "x"}]}, 400, "messages", "unsupported_parameter"),
+    ({"input": "t3", "messages": [{"role": "user", "content": "x"}]}, 400, "input", "unsupported_parameter"),
+    ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "user", "content": "t3"}], "chat_template": "{{ 1 }}"}, 400, "chat_template", None),
     ({"input": "t3", "model": "text-embedding-3-small"}, 404, "model", "model_not_found"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
