@@ -28,11 +28,11 @@ import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
 from jaxserve.engine_args import EngineArgs
+from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
-from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import PooledPrompt, PoolingParams
 from jaxserve.sampling.grammar import GrammarCompiler
