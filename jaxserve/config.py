@@ -39,6 +39,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # False for a pooling runner: it stops at the final norm, so an untied LM head is neither loaded nor
+    # required (embedding checkpoints saved as the bare decoder have none).
+    has_lm_head: bool = True
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
+
 if TYPE_CHECKING:
     from sharding import ParallelConfig
 
@@ -43,8 +45,15 @@ class EngineArgs:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
     num_processes: int | None = None
     process_id: int | None = None
+    # "generate", "pooling" (embeddings: prefill only, no sampling) or "auto" (vLLM's rule: a
+    # sentence-transformers directory or a bare `...Model` architecture pools); see jaxserve/pooling/.
+    runner: str = "auto"
+    pooler_config: dict | str | None = None  # pooling runner: {"pooling_type": ..., "normalize": ...} over the model's
 
     def __post_init__(self):
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        parse_pooler_overrides(self.pooler_config)  # a bad --pooler-config fails before the model loads
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():

@@ -104,6 +104,15 @@ def test_malformed_json_and_a_request_chat_template(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+def test_a_generate_server_refuses_embeddings(server, client):
+    base, _ = server
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model="stories260K", input="Once upon a time")
+    r = httpx.post(f"{base}/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_api"
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
 async def _complete(base: str, body: dict) -> list[int]:
     """Token ids of one non-streaming request (decoded through the tokenizer-free `prompt` ids path)."""
     async with httpx.AsyncClient(timeout=300) as http:

@@ -1,7 +1,8 @@
 """The engine loop: schedule a step, launch it on the device, advance requests by the step before.
 
 1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
-   before anything is allocated) and queues its choices. Additions and aborts from other threads land in
+   before anything is allocated) and queues its choices; `add_pooling_request` queues a prompt to embed
+   (pooling runner: `jaxserve/pooling/`). Additions and aborts from other threads land in
    an inbox that the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
    then, while the device runs it, reads the draws of the step before and hands them to
@@ -27,17 +28,19 @@ import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
 from jaxserve.engine_args import EngineArgs
+from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import PooledPrompt, PoolingParams
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.update import RequestTracker
-from jaxserve.scheduling.validation import validate_request
+from jaxserve.scheduling.validation import validate_prompt, validate_request
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -57,10 +60,13 @@ class Engine:
         self.cache_config = built.cache_config
         self.sampler_config = built.sampler_config
         self.plan = built.model.plan
+        self.runner_type = built.runner  # "generate" or "pooling"
+        self.pooler_config = built.pooler_config
         self.compile_events = CompileEvents()
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
-                                              built.sampler_config, self.compile_events)
+                                              built.sampler_config, self.compile_events,
+                                              pooling=built.runner == "pooling")
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
         self.stats = EngineStats()
@@ -129,6 +135,9 @@ class Engine:
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError naming the parameter; allocates nothing."""
+        if self.runner_type == "pooling":
+            raise WrongRunner("this model runs with the pooling runner (embeddings): it does not generate; "
+                              "start it with --runner generate for completions")
         suppressed = self.tracker.suppressed_ids(params) if isinstance(params, SamplingParams) else ()
         validate_request(prompt_ids, params, model=self.model_config, scheduler=self.scheduler_config,
                          sampler=self.sampler_config, suppressed_ids=suppressed, grammars=self.grammars)
@@ -141,6 +150,28 @@ class Engine:
         self.validate(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt)))
+        return request_id
+
+    def validate_pooling(self, prompt_ids: Sequence[int], params: PoolingParams) -> PooledPrompt:
+        """Check a pooling request (a ValueError naming the parameter) and resolve it against the model's
+        pooler; allocates nothing."""
+        if self.runner_type != "pooling":
+            raise WrongRunner("this model runs with the generate runner: embeddings need the pooling runner "
+                              "(start it with --runner pooling)")
+        if not isinstance(params, PoolingParams):
+            raise InvalidParameter("pooling_params",
+                                   f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        validate_prompt(prompt_ids, self.model_config, self.scheduler_config, reserve=0)
+        return PooledPrompt.resolve(params, self.pooler_config)
+
+    def add_pooling_request(self, prompt_ids: Sequence[int], params: PoolingParams | None = None,
+                            request_id: str | None = None, prompt: str | None = None) -> str:
+        """Validate and queue a pooling request (thread-safe): one `EmbeddingRequestOutput` comes out when
+        its whole prompt has been through the steps. Returns the id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        pooling = self.validate_pooling(prompt_ids, params or PoolingParams())
+        request_id = request_id or uuid.uuid4().hex
+        self._inbox.put(("add", self.tracker.new_pooling_request(prompt_ids, pooling, request_id, prompt)))
         return request_id
 
     def abort(self, request_id: str) -> None:

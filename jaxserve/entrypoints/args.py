@@ -51,6 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="sampling defaults: 'auto' takes the model's generation_config.json (temperature, "
                         "top_p, top_k, min_p, repetition_penalty, max_new_tokens); 'vllm' uses none")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: embeddings (/v1/embeddings; prefill only, no sampling); generate: text; auto "
+                        "(default): pooling for a sentence-transformers directory or a bare ...Model architecture")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='pooling runner: override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": false}\' (pooling_type LAST, MEAN or CLS)')
     add_parallel_args(parser)
 
 

@@ -56,7 +56,8 @@ class LaunchedStep:
 
     def sampled(self) -> SampledTokens:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
-        return SampledTokens.one_per_row(to_host(self.results.samples), self.step, self.logprobs)
+        pooled = None if self.results.pooled is None else to_host(self.results.pooled)
+        return SampledTokens.one_per_row(to_host(self.results.samples), self.step, self.logprobs, pooled)
 
     def logprobs(self) -> SampleLogprobs:
         r = jax.tree.map(to_host, self.results)
@@ -68,7 +69,9 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
-                 sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None):
+                 sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
+                 pooling: bool = False):
+        """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -103,10 +106,10 @@ class ModelRunner:
         state_shape = (max_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
         step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
-                        num_samples=max_seqs, top=sampler_config.max_logprobs)
+                        num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling)
         self.compiler = StepCompiler(step, layouts, self._program_inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
-                                      max_seqs, sampler_config.max_logprobs),
+                                      max_seqs, sampler_config.max_logprobs, pooling),
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
 
     def _abstract_kv_cache(self) -> KVCache:
@@ -203,6 +206,8 @@ class ModelRunner:
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
         self._prev_samples = results.samples
         results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
+        if results.pooled is not None:
+            results.pooled.copy_to_host_async()
         return LaunchedStep(step, results, logits)
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:

@@ -9,7 +9,8 @@
    tokens (pipeline stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their
    slots and attends through the backend's ragged paged attention, then applies the grammar masks and
    the logits processing and samples each sequence's last row. Log-probabilities are computed only when
-   some row asked for them.
+   some row asked for them. A pooling runner's program stops at the final norm instead: it pools one
+   row per sequence (`jaxserve/pooling/device.py`) and samples nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.pooling.device import pool_rows
 from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
 from jaxserve.sampling.sampler import sample
 from jaxserve.scheduling.pages import NULL_PAGE
@@ -44,10 +46,11 @@ class StepResults:
     prompt_rank: jax.Array  # [T] int32
     prompt_top_ids: jax.Array  # [T, K] int32
     prompt_top_logprobs: jax.Array  # [T, K] float32
+    pooled: jax.Array | None = None  # [R, H] float32 each row's pooled hidden states (pooling runner only)
 
 
 def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sampler_state: SamplerState,
-             num_samples: int, top: int):
+             num_samples: int, top: int, pooling: bool = False):
     """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
     runs Python code for every leaf, on every call, on the critical path of each step. Call it as
     `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits)`."""
@@ -57,7 +60,7 @@ def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sam
     kv_sharding = jax.tree.map(lambda a: a.sharding, kv_abstract)
     kv_specs = jax.tree.map(lambda a: a.sharding.spec, kv_abstract)
     step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp,
-                       num_samples=num_samples, top=top)
+                       num_samples=num_samples, top=top, pooling=pooling)
 
     def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits):
         # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
@@ -91,7 +94,8 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks, *, graphdef,
-                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool):
+                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool,
+                pooling: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(ints, floats)
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
@@ -118,6 +122,8 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
 
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
+    if pooling:  # prefill only: no LM head, nothing drawn
+        return kv_cache, sampler_state, _pooled_results(hidden, batch, num_samples, num_tokens, top), None
     # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
     raw = apply_token_masks(model.logits(hidden[batch.sample_index], TP_AXES), masks, batch.constrained)
     samples = sample(process(raw, sampler_state, batch.slots, batch.processing), batch.sampling)
@@ -129,6 +135,15 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     results = StepResults(pad(samples), *map(pad, sample_lp), *prompt_lp)
     logits = model.logits(hidden, TP_AXES) if with_logits else None
     return kv_cache, sampler_state, results, logits
+
+
+def _pooled_results(hidden, batch: StepBatch, num_samples: int, num_tokens: int, top: int) -> StepResults:
+    zeros = jnp.zeros
+    return StepResults(zeros(num_samples, jnp.int32), zeros(num_samples, jnp.float32), zeros(num_samples, jnp.int32),
+                       zeros((num_samples, top), jnp.int32), zeros((num_samples, top), jnp.float32),
+                       zeros(num_tokens, jnp.float32), zeros(num_tokens, jnp.int32), zeros((num_tokens, top), jnp.int32),
+                       zeros((num_tokens, top), jnp.float32),
+                       pooled=pool_rows(hidden, batch.cu_q_lens, batch.pooling, num_samples))
 
 
 def _maybe_logprobs(wanted, logits_fn, chosen, top: int):

@@ -158,7 +158,8 @@ class Scheduler:
                             num_draft_tokens=num_draft_tokens, constrained=request.constrained,
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
-                            prompt_targets=prompt_targets)
+                            prompt_targets=prompt_targets,
+                            pooling=request.pooling.kind if request.pooling is not None else 0)
 
     @staticmethod
     def _mark_drawn(request: Request, row: int) -> None:
@@ -211,8 +212,11 @@ class Scheduler:
     def _cached_prefix(self, request: Request, target: int) -> list[int]:
         """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
         params = request.params
-        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None:
-            return []  # a repetition penalty (prompt logprobs) needs every prompt token to go through a step
+        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None \
+                or (request.pooling is not None and request.pooling.needs_every_token):
+            # A repetition penalty (prompt logprobs, mean or CLS pooling) needs every prompt token to go
+            # through a step.
+            return []
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
