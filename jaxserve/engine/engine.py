@@ -10,7 +10,10 @@
    meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
+4. Step times feed the scheduler's step-time model (`jaxserve/scheduling/step_cost.py`): warm-up times
+   idle steps of every compiled bucket, and each step whose samples the host had to wait for is measured
+   from when the device could start it (its launch, or the end of the step before) to their arrival.
+5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
    the same code everywhere, and its caller wraps each call in `call`.
 """
 
@@ -23,6 +26,7 @@ import time
 import uuid
 from typing import Callable, Sequence, TypeVar
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
@@ -36,8 +40,9 @@ from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
+from jaxserve.scheduling.step_cost import kv_tokens_read
 from jaxserve.scheduling.update import RequestTracker
-from jaxserve.scheduling.validation import validate_request
+from jaxserve.scheduling.validation import validate_priority, validate_request
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -68,6 +73,8 @@ class Engine:
                                       self.scheduler_config.max_model_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
+        self._last_done: tuple[float, bool] | None = None  # the last read step: (done_at, waited)
+        self._timed_buckets: set[int] = set()  # buckets whose idle step warm-up has timed
         self.compilations_at_warmup: int | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
         self.startup_seconds = {"weights": built.weights_seconds}
@@ -97,6 +104,8 @@ class Engine:
 
         self.runner.warmup(background=background, on_done=done)
         self.compilations_at_warmup = self.compile_events.lowered
+        if self.calibration_due:  # with programs still compiling on a thread, a timing would be off
+            self.calibrate_step_cost()
         self.startup_seconds["compile"] = time.perf_counter() - start
         self.startup_seconds["total"] = time.perf_counter() - self._started
         pending = len(self.runner.layouts) - len(self.runner.ready_buckets)
@@ -104,6 +113,28 @@ class Engine:
                     *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
+
+    def calibrate_step_cost(self, max_buckets: int | None = None, repeats: int = 2) -> None:
+        """Time idle steps of (up to `max_buckets`) buckets not timed yet, the fastest of `repeats` each,
+        for the scheduler's step-time model. Only while no request runs (an idle server: the async engine
+        calls it once background compilation is done, a bucket per idle moment); in a multi-host run the
+        model learns from served steps alone."""
+        buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
+        if not buckets or self.has_unfinished() or jax.process_count() > 1:
+            return
+        cost = self.scheduler.step_cost
+        for bucket in buckets:
+            cost.observe(bucket, 0, min(self.runner.time_idle_step(bucket) for _ in range(repeats)))
+            self._timed_buckets.add(bucket)
+        target = self.scheduler.itl_target()
+        logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
+                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
+                    "off" if target is None else f"{1e3 * target:.1f} ms")
+
+    @property
+    def calibration_due(self) -> bool:
+        """Every program is compiled and some bucket's step has not been timed yet."""
+        return self.runner.warmup_report is not None and len(self._timed_buckets) < len(self.runner.ready_buckets)
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -127,20 +158,23 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError naming the parameter; allocates nothing."""
         suppressed = self.tracker.suppressed_ids(params) if isinstance(params, SamplingParams) else ()
         validate_request(prompt_ids, params, model=self.model_config, scheduler=self.scheduler_config,
                          sampler=self.sampler_config, suppressed_ids=suppressed, grammars=self.grammars)
+        validate_priority(priority, self.scheduler_config)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> str:
+                    prompt: str | None = None, priority: int = 0) -> str:
         """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
-        `index` 0..n-1 under this one id. Returns the id."""
+        `index` 0..n-1 under this one id. `priority` (only with the priority scheduling policy): lower
+        runs first. Returns the id."""
         prompt_ids = [int(t) for t in prompt_ids]
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt)))
+        choices = self.tracker.new_choices(prompt_ids, params, request_id, prompt, priority=priority)
+        self._inbox.put(("add", choices))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -201,7 +235,23 @@ class Engine:
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        return self.tracker.update_from_output(launched.step, launched.sampled())
+        sampled = launched.sampled()
+        self._measure(launched)
+        return self.tracker.update_from_output(launched.step, sampled)
+
+    def _measure(self, launched: LaunchedStep) -> None:
+        """Feed the step-time model a step whose device time is known: the host waited for its samples,
+        and the device could start it at its launch or when the step before ended, whichever came last
+        (the latter is known only if the host waited for that step too)."""
+        last, self._last_done = self._last_done, (launched.done_at, launched.waited)
+        if not launched.waited:
+            return
+        start = launched.launched_at
+        if last is not None and last[0] > start:
+            if not last[1]:
+                return  # the step before ended at some unknown time before its samples were read
+            start = last[0]
+        self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), launched.done_at - start)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:
