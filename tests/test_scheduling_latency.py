@@ -203,3 +203,32 @@ def test_equal_or_lower_priority_arrivals_never_preempt():
     for _ in range(10):
         loop.step()
     assert scheduler.num_preemptions == 0
+
+
+# ---- options -----------------------------------------------------------------------------------------------
+
+
+def test_scheduling_flags_reach_the_engine_args_and_bad_values_are_refused():
+    import argparse
+
+    from jaxserve.engine_args import EngineArgs
+    from jaxserve.entrypoints.args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(
+        ["--scheduling-policy", "priority", "--target-itl-ms", "40", "--long-prefill-token-threshold", "256",
+         "--max-num-partial-prefills", "2"]))
+    assert (args.scheduling_policy, args.target_itl_ms, args.long_prefill_token_threshold,
+            args.max_num_partial_prefills) == ("priority", 40, 256, 2)
+    for bad in ({"scheduling_policy": "lifo"}, {"target_itl_ms": -1}, {"long_prefill_token_threshold": -5},
+                {"max_num_partial_prefills": 0}):
+        with pytest.raises(ValueError):
+            EngineArgs(**bad)
+
+
+def test_a_bucket_slowed_by_a_busy_machine_is_capped_by_the_faster_buckets_above_it():
+    model = StepCostModel((8, 16, 32, 64))
+    for bucket, seconds in ((8, 0.002), (16, 0.019), (32, 0.003), (64, 0.005)):
+        model.observe(bucket, 0, seconds)
+    assert [model.base_seconds(b) for b in (8, 16, 32, 64)] == pytest.approx([0.002, 0.003, 0.003, 0.005])

@@ -243,6 +243,8 @@ class Engine:
         """Feed the step-time model a step whose device time is known: the host waited for its samples,
         and the device could start it at its launch or when the step before ended, whichever came last
         (the latter is known only if the host waited for that step too)."""
+        if launched.done_at is None:
+            return  # a runner that keeps no times
         last, self._last_done = self._last_done, (launched.done_at, launched.waited)
         if not launched.waited:
             return

@@ -9,7 +9,9 @@
    within-bucket regression pooled over buckets, and a bucket's base is its mean time less the slope's
    share. An observation costs a few float operations, and a one-off stall (a GC pause) is clipped.
 3. A bucket nobody has measured is interpolated from its measured neighbours (linear in tokens; above
-   the largest measured one, proportional to tokens, which errs on the slow side).
+   the largest measured one, proportional to tokens, which errs on the slow side). A bigger bucket is
+   never faster than a smaller one, so a bucket's base is capped by every bigger bucket's: a timing
+   that a busy machine slowed cannot make one bucket look slower than all those above it.
 4. The scheduler asks `predict(tokens, kv_tokens)` while it fills a step that carries decodes, and stops
    adding prefill tokens where the prediction would pass its inter-token-latency target.
 """
@@ -61,12 +63,13 @@ class StepCostModel:
         self.buckets = tuple(buckets)
         self._stats: dict[int, _BucketStats] = {}
         self.per_kv_token = 0.0  # seconds per KV token read
-        self._base: dict[int, float] = {}  # measured buckets' base seconds
+        self._measured: dict[int, float] = {}  # measured buckets' base seconds, as fitted
+        self._base: dict[int, float] = {}  # every bucket's, monotone in the bucket (empty before a measurement)
 
     @property
     def calibrated(self) -> bool:
         """Whether some bucket has been measured (until then nothing is predicted)."""
-        return bool(self._base)
+        return bool(self._measured)
 
     def bucket_for(self, tokens: int) -> int:
         i = bisect.bisect_left(self.buckets, tokens)
@@ -76,7 +79,7 @@ class StepCostModel:
         """A step padded to `bucket` tokens that read `kv_tokens` of KV took `seconds` on the device."""
         if seconds <= 0:
             return
-        predicted = self.predict(bucket, kv_tokens) if bucket in self._base else None
+        predicted = self.predict(bucket, kv_tokens) if bucket in self._measured else None
         if predicted is not None:
             seconds = min(seconds, CLIP * predicted)
         self._stats.setdefault(bucket, _BucketStats()).add(kv_tokens, seconds)
@@ -88,23 +91,30 @@ class StepCostModel:
         # No spread in KV within a bucket (warm-up alone, one context length): no slope to tell apart.
         slope = covariance / variance if variance > 1.0 else 0.0
         self.per_kv_token = max(slope, 0.0)
-        self._base = {b: max((s.seconds - self.per_kv_token * s.kv) / s.weight, 0.0)
-                      for b, s in self._stats.items()}
+        self._measured = {b: max((s.seconds - self.per_kv_token * s.kv) / s.weight, 0.0)
+                          for b, s in self._stats.items()}
+        base, cap = {}, float("inf")
+        for bucket in reversed(self.buckets):
+            cap = base[bucket] = min(self._interpolated(bucket), cap)
+        self._base = base
 
-    def base_seconds(self, bucket: int) -> float | None:
-        """A step of `bucket` tokens reading no KV: measured, or interpolated from measured buckets."""
-        if bucket in self._base:
-            return self._base[bucket]
-        known = sorted(self._base)
-        if not known:
-            return None
+    def _interpolated(self, bucket: int) -> float:
+        """The bucket's fitted base, or one interpolated from the measured buckets around it."""
+        measured = self._measured
+        if bucket in measured:
+            return measured[bucket]
+        known = sorted(measured)
         i = bisect.bisect_left(known, bucket)
         if i == 0:
-            return self._base[known[0]]  # smaller steps are not slower than the smallest measured
+            return measured[known[0]]  # smaller steps are not slower than the smallest measured
         if i == len(known):
-            return self._base[known[-1]] * bucket / known[-1]
+            return measured[known[-1]] * bucket / known[-1]
         lo, hi = known[i - 1], known[i]
-        return self._base[lo] + (self._base[hi] - self._base[lo]) * (bucket - lo) / (hi - lo)
+        return measured[lo] + (measured[hi] - measured[lo]) * (bucket - lo) / (hi - lo)
+
+    def base_seconds(self, bucket: int) -> float | None:
+        """A step of `bucket` tokens reading no KV (None before any measurement)."""
+        return self._base.get(bucket)
 
     def predict(self, tokens: int, kv_tokens: int) -> float | None:
         """Seconds a step of `tokens` tokens (padded to their bucket) reading `kv_tokens` of KV should take;
