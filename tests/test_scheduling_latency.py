@@ -232,3 +232,73 @@ def test_a_bucket_slowed_by_a_busy_machine_is_capped_by_the_faster_buckets_above
     for bucket, seconds in ((8, 0.002), (16, 0.019), (32, 0.003), (64, 0.005)):
         model.observe(bucket, 0, seconds)
     assert [model.base_seconds(b) for b in (8, 16, 32, 64)] == pytest.approx([0.002, 0.003, 0.003, 0.005])
+
+
+def test_a_steps_device_time_is_told_only_where_the_host_waited_for_both_ends():
+    from jaxserve.scheduling.step_cost import StepClock
+
+    clock = StepClock()
+    # Waited for: it ran from its launch (nothing before it) to its samples.
+    assert clock.device_seconds(launched_at=0.0, done_at=0.010, waited=True) == pytest.approx(0.010)
+    # Launched at 0.005, while the step before still ran: it started when that one ended, at 0.010.
+    assert clock.device_seconds(launched_at=0.005, done_at=0.022, waited=True) == pytest.approx(0.012)
+    # Its samples were there when the host looked: no telling when it ended...
+    assert clock.device_seconds(launched_at=0.015, done_at=0.040, waited=False) is None
+    # ...nor when the next one, launched before that, started.
+    assert clock.device_seconds(launched_at=0.030, done_at=0.050, waited=True) is None
+    # A step launched after the one before ended (the device idled) runs from its launch.
+    assert clock.device_seconds(launched_at=0.060, done_at=0.070, waited=True) == pytest.approx(0.010)
+
+
+def test_a_higher_priority_arrival_preempts_nobody_when_the_victims_pages_would_not_do():
+    scheduler = make_scheduler(0, policy="priority", max_num_seqs=4, num_pages=40)  # 39 pages of 4 tokens
+    loop = AsyncLoop(scheduler)
+    low = prioritized("low", 20, 40, 5)  # holds 5-6 pages
+    loop.add(low)
+    for _ in range(3):
+        loop.step()
+    huge = prioritized("huge", 200, 2, 0)  # needs 50 pages: more than the cache holds
+    loop.add(huge)
+    for _ in range(3):
+        loop.step()
+    assert scheduler.num_preemptions == 0 and low.num_output_tokens >= 3
+
+
+def test_the_async_engine_times_programs_compiled_in_the_background_when_idle_one_at_a_time():
+    import threading
+
+    from jaxserve.entrypoints.async_engine import AsyncEngine
+
+    class IdleEngine:
+        """An engine with no requests whose background compilation finished with three buckets untimed."""
+        def __init__(self):
+            self.untimed, self.calls, self.done = 3, [], threading.Event()
+            self.runner = type("Runner", (), {"stop_warmup": lambda self, timeout=None: None})()
+
+        def warmup(self, background=False):
+            return 0.0
+
+        def has_unfinished(self):
+            return False
+
+        @property
+        def calibration_due(self):
+            return self.untimed > 0
+
+        def calibrate_step_cost(self, max_buckets=None):
+            self.calls.append(max_buckets)
+            self.untimed -= max_buckets
+            if not self.untimed:
+                self.done.set()
+
+        def release(self):
+            pass
+
+    engine = IdleEngine()
+    loop = AsyncEngine(engine=engine)
+    loop.start()
+    try:
+        assert engine.done.wait(10)
+    finally:
+        loop.shutdown(timeout=5)
+    assert engine.calls == [1, 1, 1]

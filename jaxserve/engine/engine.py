@@ -40,7 +40,7 @@ from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
-from jaxserve.scheduling.step_cost import kv_tokens_read
+from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
 from jaxserve.scheduling.update import RequestTracker
 from jaxserve.scheduling.validation import validate_priority, validate_request
 from sharding import multihost
@@ -73,7 +73,7 @@ class Engine:
                                       self.scheduler_config.max_model_len)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
-        self._last_done: tuple[float, bool] | None = None  # the last read step: (done_at, waited)
+        self._step_clock = StepClock()  # device times of the steps read
         self._timed_buckets: set[int] = set()  # buckets whose idle step warm-up has timed
         self.compilations_at_warmup: int | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
@@ -240,20 +240,12 @@ class Engine:
         return self.tracker.update_from_output(launched.step, sampled)
 
     def _measure(self, launched: LaunchedStep) -> None:
-        """Feed the step-time model a step whose device time is known: the host waited for its samples,
-        and the device could start it at its launch or when the step before ended, whichever came last
-        (the latter is known only if the host waited for that step too)."""
+        """Feed the step-time model the step's device time, where it can be told."""
         if launched.done_at is None:
             return  # a runner that keeps no times
-        last, self._last_done = self._last_done, (launched.done_at, launched.waited)
-        if not launched.waited:
-            return
-        start = launched.launched_at
-        if last is not None and last[0] > start:
-            if not last[1]:
-                return  # the step before ended at some unknown time before its samples were read
-            start = last[0]
-        self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), launched.done_at - start)
+        seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
+        if seconds is not None:
+            self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:

@@ -4,8 +4,8 @@
    bucket), so its time is a base time per bucket plus a term in the KV its attention reads (each
    sequence's context up to the end of its span): `seconds = base[bucket] + per_kv_token * kv_tokens`.
 2. Warm-up times a few steps of each compiled bucket; afterwards the engine feeds in every step whose
-   completion the host waited for, so the estimate follows the machine as it serves (load, clocks,
-   long contexts). Each bucket keeps exponentially weighted sums of (kv, seconds); the KV slope is the
+   completion the host waited for (`StepClock` tells its device time from host timestamps), so the
+   estimate follows the machine as it serves (load, clocks, long contexts). Each bucket keeps exponentially weighted sums of (kv, seconds); the KV slope is the
    within-bucket regression pooled over buckets, and a bucket's base is its mean time less the slope's
    share. An observation costs a few float operations, and a one-off stall (a GC pause) is clipped.
 3. A bucket nobody has measured is interpolated from its measured neighbours (linear in tokens; above
@@ -158,6 +158,29 @@ class PrefillCap:
         self.tokens += lo
         self.kv += start + lo
         return lo
+
+
+
+class StepClock:
+    """A step's device time from what the host sees: when it launched the step and when the samples
+    arrived. The host reads steps in launch order, one step late, so a step ran from its launch or from
+    the end of the step before it, whichever came last, to the arrival of its samples. Both ends are known
+    only when the host had to wait for the samples (else they arrived at some moment before it looked)."""
+
+    def __init__(self):
+        self._last: tuple[float, bool] | None = None  # the step before: (samples seen at, waited for)
+
+    def device_seconds(self, launched_at: float, done_at: float, waited: bool) -> float | None:
+        """This step's device seconds, or None where they cannot be told."""
+        last, self._last = self._last, (done_at, waited)
+        if not waited:
+            return None
+        start = launched_at
+        if last is not None and last[0] > start:
+            if not last[1]:
+                return None  # the step before ended at some unknown moment before its samples were read
+            start = last[0]
+        return done_at - start
 
 
 def kv_tokens_read(plan: StepPlan) -> int:
