@@ -126,6 +126,8 @@ class Engine:
         for bucket in buckets:
             cost.observe(bucket, 0, min(self.runner.time_idle_step(bucket) for _ in range(repeats)))
             self._timed_buckets.add(bucket)
+        if self.calibration_due:
+            return  # the log line comes with the last bucket
         target = self.scheduler.itl_target()
         logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
                     ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
