@@ -1,7 +1,8 @@
 """Priority scheduling on the real engine (stories260K): a high-priority request that arrives at a full batch
 gets its first token within a bounded number of steps, and the low-priority requests it preempts are
 recomputed and finish with the same tokens as alone (greedy and seeded). Also: warm-up times every bucket
-for the step-time model, and the `priority` field is refused under first-come-first-served."""
+for the step-time model, the `priority` field is refused under first-come-first-served, and every route
+(completions, chat, Responses) hands its `priority` to the engine."""
 
 import pytest
 
@@ -67,3 +68,37 @@ def test_priority_is_refused_under_first_come_first_served(stories_llm):
     assert error.value.param == "priority"
     with pytest.raises(ValueError, match="priority has 2 entries for 1 prompts"):
         stories_llm.generate("Once", SamplingParams(max_tokens=2), priority=[0, 0])
+
+
+@pytest.fixture(scope="module")
+def priority_server(stories_dir):
+    from jaxserve.engine_args import EngineArgs
+    from server.options import ServerOptions
+    from tests.server_harness import running_server
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=16, token_buckets=(2, 16),
+                      scheduling_policy="priority")
+    options = ServerOptions(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with running_server(args, options=options) as running:
+        yield running
+
+
+def test_every_route_hands_its_priority_to_the_engine(priority_server, monkeypatch):
+    import httpx
+    base, async_engine = priority_server
+    seen = []
+    add_request = async_engine.engine.add_request
+
+    def spy(*args, priority=0, **kwargs):
+        seen.append(priority)
+        return add_request(*args, priority=priority, **kwargs)
+    monkeypatch.setattr(async_engine.engine, "add_request", spy)
+    short = {"max_tokens": 2}
+    assert httpx.post(f"{base}/v1/completions", json={**short, "prompt": "Once", "priority": -3},
+                      timeout=60).status_code == 200
+    assert httpx.post(f"{base}/v1/chat/completions", json={
+        **short, "messages": [{"role": "user", "content": "Once"}], "priority": 2}, timeout=60).status_code == 200
+    assert httpx.post(f"{base}/v1/responses", json={"input": "Once", "max_output_tokens": 2, "priority": 7},
+                      timeout=60).status_code == 200
+    assert seen == [-3, 2, 7]
+    bad = httpx.post(f"{base}/v1/completions", json={**short, "prompt": "Once", "priority": "high"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority"
