@@ -47,6 +47,7 @@ from sharding import multihost
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SHORT_STEP_SECONDS = 0.1  # warm-up times a step this short twice (see calibrate_step_cost)
 
 
 class Engine:
@@ -114,17 +115,21 @@ class Engine:
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
 
-    def calibrate_step_cost(self, max_buckets: int | None = None, repeats: int = 2) -> None:
-        """Time idle steps of (up to `max_buckets`) buckets not timed yet, the fastest of `repeats` each,
-        for the scheduler's step-time model. Only while no request runs (an idle server: the async engine
-        calls it once background compilation is done, a bucket per idle moment); in a multi-host run the
-        model learns from served steps alone."""
+    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
+        """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
+        model; a short one twice, the faster counting (a first run pays one-off costs, and a long one
+        would add seconds to the start of a big model). Only while no request runs (an idle server: the
+        async engine calls it once background compilation is done, a bucket per idle moment); in a
+        multi-host run the model learns from served steps alone."""
         buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
         if not buckets or self.has_unfinished() or jax.process_count() > 1:
             return
         cost = self.scheduler.step_cost
         for bucket in buckets:
-            cost.observe(bucket, 0, min(self.runner.time_idle_step(bucket) for _ in range(repeats)))
+            seconds = self.runner.time_idle_step(bucket)
+            if seconds < SHORT_STEP_SECONDS:
+                seconds = min(seconds, self.runner.time_idle_step(bucket))
+            cost.observe(bucket, 0, seconds)
             self._timed_buckets.add(bucket)
         if self.calibration_due:
             return  # the log line comes with the last bucket
