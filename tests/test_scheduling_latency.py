@@ -302,3 +302,19 @@ def test_the_async_engine_times_programs_compiled_in_the_background_when_idle_on
     finally:
         loop.shutdown(timeout=5)
     assert engine.calls == [1, 1, 1]
+
+
+def test_a_prompt_beside_decodes_always_gets_up_to_the_next_bucket_even_when_nothing_fits_the_target():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_model_len=256, max_num_batched_tokens=16,
+                                          token_buckets=(2, 16), target_itl=1e-9),
+                          CacheConfig(page_size=4, num_pages=100, enable_prefix_caching=False))
+    for bucket in (2, 16):
+        scheduler.step_cost.observe(bucket, 0, scripted_seconds(bucket, 0))
+    loop = AsyncLoop(scheduler)
+    loop.add(request("decoding", 4, 50))
+    loop.step()
+    loop.step()
+    loop.add(request("prompt", 12, 2))
+    plan = loop.step()
+    # One decode would leave a single padding token in bucket 2; the step grows to bucket 16 instead.
+    assert [seq.num_tokens for seq in plan.seqs] == [1, 12]

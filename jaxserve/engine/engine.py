@@ -122,7 +122,7 @@ class Engine:
         async engine calls it once background compilation is done, a bucket per idle moment); in a
         multi-host run the model learns from served steps alone."""
         buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
-        if not buckets or self.has_unfinished() or jax.process_count() > 1:
+        if not self.calibration_due or self.has_unfinished():
             return
         cost = self.scheduler.step_cost
         for bucket in buckets:
@@ -140,8 +140,10 @@ class Engine:
 
     @property
     def calibration_due(self) -> bool:
-        """Every program is compiled and some bucket's step has not been timed yet."""
-        return self.runner.warmup_report is not None and len(self._timed_buckets) < len(self.runner.ready_buckets)
+        """Every program is compiled and some bucket's step has not been timed yet (never in a multi-host
+        run: its processes would have to run the timing steps together)."""
+        return (jax.process_count() == 1 and self.runner.warmup_report is not None
+                and len(self._timed_buckets) < len(self.runner.ready_buckets))
 
     @property
     def warmup_report(self) -> WarmupReport | None:

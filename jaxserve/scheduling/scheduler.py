@@ -17,8 +17,8 @@
    a lower priority (a larger value) to get a slot and pages.
 3. A step that carries decodes takes only as many prefill tokens as keep it under the inter-token
    latency target, by the step-time model (`step_cost.py`): a long prompt then prefills in chunks
-   beside the decodes instead of stalling them. It always gets at least the padding of the decodes'
-   bucket (or one bucket more), so prompts never starve; a step without decodes prefills at full width.
+   beside the decodes instead of stalling them. It may always grow to the bucket above the decodes'
+   own, so prompts never starve; a step without decodes prefills at full width.
    vLLM's `long_prefill_token_threshold` and `max_num_partial_prefills` bound the chunks as well.
 4. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
    is dispatched while the previous one still runs, so a sequence's newest token may still be on the
@@ -381,4 +381,3 @@ class Scheduler:
 def _extra_keys(request: Request) -> tuple:
     salt = request.params.cache_salt
     return ("salt", salt) if salt is not None else ()
-

@@ -130,15 +130,14 @@ class StepCostModel:
 
 class PrefillCap:
     """How many prefill tokens a step that carries decodes may take under the ITL target, chunk by chunk:
-    each chunk also adds the KV its tokens attend to. The padding of the decodes' own bucket is free, and
-    when there is none, one bucket more is allowed, so waiting prompts always progress."""
+    each chunk also adds the KV its tokens attend to. Whatever the model predicts, the step may grow to
+    the bucket above the decodes' own, so waiting prompts always progress (with coarse buckets, the
+    padding of the decodes' bucket alone could be a token a step) and a step at most about doubles."""
 
     def __init__(self, cost: StepCostModel, target: float, decode_tokens: int, decode_kv: int, limit: int):
         self.cost, self.target = cost, target
         self.tokens, self.kv = decode_tokens, decode_kv
-        bucket = cost.bucket_for(decode_tokens)
-        if bucket == decode_tokens:
-            bucket = cost.bucket_for(decode_tokens + 1)
+        bucket = cost.bucket_for(cost.bucket_for(decode_tokens) + 1)
         self.free = max(min(bucket, limit) - decode_tokens, 0)  # prefill tokens allowed whatever the model says
 
     def fit(self, wanted: int, start: int) -> int:
