@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.config import validate_scheduling_options
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -36,6 +37,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
+    scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt
+    target_itl_ms: float | None = None  # ITL cap on steps that carry decodes; None: derived at warm-up; 0: off
+    long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk (0: no limit)
+    max_num_partial_prefills: int | None = None  # most sequences prefilling in one step (None: no limit)
     attention_backend: str = "auto"
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
     max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
@@ -68,6 +73,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,
+                                    self.max_num_partial_prefills)
         self.parallel  # validates the sizes now, not at model build time
 
     @property

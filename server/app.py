@@ -180,7 +180,7 @@ class OpenAIServer:
                     p = dataclasses.replace(p, structured_outputs=dataclasses.replace(
                         p.structured_outputs, reasoning_end=reasoning_end))
                 p = self.seeded(p)
-                self.engine.validate(ids, p)
+                self.engine.validate(ids, p, body.priority)
             except InvalidParameter as e:
                 raise APIError(400, str(e), param=e.param) from None
             params.append(p)
@@ -229,8 +229,8 @@ class OpenAIServer:
         else the body's `request_id`, else a fresh one."""
         return f"{prefix}-{self.chosen_id(request) or body.request_id or uuid.uuid4().hex}"
 
-    async def results(self, request: Request, prompt_ids, params, texts,
-                      response_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def results(self, request: Request, prompt_ids, params, texts, response_id: str,
+                      priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
         choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
         released here when this generator ends. The engine ids are fresh, or — when the client chose the
@@ -254,14 +254,16 @@ class OpenAIServer:
         pumps: list[asyncio.Task] = []
         try:
             if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
-                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0]):
+                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0],
+                                                            priority):
                     account(0, out)
                     yield 0, out
                 return
 
             async def pump(i: int):
                 try:
-                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
+                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i],
+                                                                priority):
                         account(i, out)
                         await merged.put((i, out))
                 except Exception as e:  # surfaced to the handler through the queue

@@ -128,8 +128,12 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                          f"{config.max_position_embeddings}")
     budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
                                              default_token_budget(args.max_num_seqs, jax.default_backend()))
-    scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                       max_num_batched_tokens=budget, token_buckets=args.token_buckets)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
+        token_buckets=args.token_buckets, scheduling_policy=args.scheduling_policy,
+        target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills)
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.

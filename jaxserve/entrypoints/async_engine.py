@@ -78,6 +78,9 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._wake.clear()
                 if not self.engine.has_unfinished():
+                    if self.engine.calibration_due:  # background compilation is done: time its programs
+                        self.engine.calibrate_step_cost(max_buckets=1)
+                        continue
                     self._wake.wait(0.5)
                     continue
                 self._post_all(self.engine.step())
@@ -116,7 +119,7 @@ class AsyncEngine:
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
         choices are finished. ValueError (before anything is queued) on bad input."""
         if self.error:
@@ -126,7 +129,7 @@ class AsyncEngine:
         running = params.n
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt, priority=priority)
             self._wake.set()
             while not finished:
                 item = await q.get()

@@ -28,8 +28,9 @@ class LLM:
         the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
-        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, runner ("auto",
-        "generate" or "pooling": embeddings with `embed`), pooler_config."""
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, scheduling_policy,
+        target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner ("auto", "generate" or
+        "pooling": embeddings with `embed`), pooler_config."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)
@@ -48,19 +49,23 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
-        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order.
+        `priority`: one per prompt, lower first (needs `scheduling_policy="priority"`)."""
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm, priority), on_follower=[])
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         encoded, sampling_params = self._encoded(prompts, sampling_params, SamplingParams, "sampling_params")
+        priority = [0] * len(encoded) if priority is None else list(priority)
+        if len(priority) != len(encoded):
+            raise ValueError(f"priority has {len(priority)} entries for {len(encoded)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
-        for (_, ids), params in zip(encoded, sampling_params):
-            self.engine.validate(ids, params)
-        return self._run([self.engine.add_request(ids, params, prompt=text)
-                          for (text, ids), params in zip(encoded, sampling_params)],
+        for (_, ids), params, rank in zip(encoded, sampling_params, priority):
+            self.engine.validate(ids, params, rank)
+        return self._run([self.engine.add_request(ids, params, prompt=text, priority=rank)
+                          for (text, ids), params, rank in zip(encoded, sampling_params, priority)],
                          [params.n for params in sampling_params], use_tqdm)
 
     def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -8,6 +8,8 @@
    of the plan's rows (when some draw is constrained) go in as one more input of the same program.
 3. The samples stay on the device and feed the next step; `LaunchedStep.sampled()` copies them to the
    host (one small array, its copy started at launch) when the engine gets round to it, a step later.
+   It notes when they arrived and whether the host had to wait for them: the engine's step-time
+   measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
 The multi-host leader (`relay.py`) is this runner with its dispatch and warm-up wrapped; nothing here
 knows about other processes.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +56,18 @@ class LaunchedStep:
     step: StepPlan | None
     results: StepResults
     logits: jax.Array | None  # [tokens, vocab] float32, when asked for
+    bucket: int = 0  # the token bucket whose program runs it
+    launched_at: float = 0.0  # time.perf_counter() at dispatch
+    done_at: float | None = None  # when the host had its samples (set by `sampled`)
+    waited: bool = False  # the host blocked for them: `done_at` is when the device finished
 
     def sampled(self) -> SampledTokens:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
+        self.waited = not self.results.samples.is_ready()
+        samples = to_host(self.results.samples)
+        self.done_at = time.perf_counter()
         pooled = None if self.results.pooled is None else to_host(self.results.pooled)
-        return SampledTokens.one_per_row(to_host(self.results.samples), self.step, self.logprobs, pooled)
+        return SampledTokens.one_per_row(samples, self.step, self.logprobs, pooled)
 
     def logprobs(self) -> SampleLogprobs:
         r = jax.tree.map(to_host, self.results)
@@ -202,13 +212,24 @@ class ModelRunner:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
         args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
+        launched_at = time.perf_counter()
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
         self._prev_samples = results.samples
         results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
         if results.pooled is not None:
             results.pooled.copy_to_host_async()
-        return LaunchedStep(step, results, logits)
+        return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at)
+
+    def time_idle_step(self, bucket: int) -> float:
+        """Seconds one step of `bucket`'s ready program takes, dispatch to samples on the host, with no
+        sequence in it (every token writes to the null page). Only while no request runs."""
+        layout = self.layouts[bucket]
+        start = time.perf_counter()
+        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.samples)
+        seconds = time.perf_counter() - start
+        self._prev_samples = self._no_samples
+        return seconds
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has

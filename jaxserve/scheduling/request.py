@@ -56,6 +56,7 @@ class Request:
     index: int = 0  # which of the request's n choices
     prompt: str | None = None  # the prompt's text, when the caller gave text
     suppress_ids: tuple[int, ...] = ()  # EOS and stop tokens: masked while fewer than min_tokens are out
+    priority: int = 0  # --scheduling-policy priority: lower runs first (ties by arrival)
     # -- history: update_from_output alone appends ----------------------------------------------------
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then every known output token
     status: Status = Status.WAITING

@@ -57,3 +57,12 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, *, model
         raise InvalidParameter("n", f"n may be at most --max-num-seqs ({scheduler.max_num_seqs})")
     if params.structured_outputs is not None:
         grammars.compile(params.structured_outputs)  # cached: cheap for a spec seen before
+
+
+def validate_priority(priority: int, scheduler: SchedulerConfig) -> None:
+    """A request's `priority` means something only under the priority policy (vLLM refuses it otherwise)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidParameter("priority", f"priority must be an integer, got {type(priority).__name__}")
+    if priority != 0 and scheduler.scheduling_policy != "priority":
+        raise InvalidParameter("priority", f"priority {priority} needs priority scheduling: start the engine "
+                                           f"with --scheduling-policy priority")
