@@ -1,0 +1,96 @@
+"""Model families beyond the Llama shape (issue 29): their configs in both spellings, per-layer data, refusals.
+
+The numerical checks (golden logits alone, mixed, after a prefix hit, 64 greedy tokens) are in
+tests/test_parity.py; these tests build no engine.
+"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.config import FULL, SLIDING, ModelConfig
+from jaxserve.loader.placement import check_stage_pattern
+
+FIXTURES = Path(__file__).parent / "fixtures" / "parity"
+FAMILY_FIXTURES = ["gemma2_softcap", "gemma3_text", "gemma3_text_hd256"]
+
+
+def _config(case: str, name: str = "config.json") -> ModelConfig:
+    return ModelConfig.from_hf_dict(json.loads((FIXTURES / case / name).read_text()))
+
+
+@pytest.mark.parametrize("case", FAMILY_FIXTURES)
+def test_legacy_spelling_reads_as_the_same_config(case):
+    """transformers 4 keys (rope_theta / rope_scaling / rope_local_base_freq, sliding_window_pattern,
+    num_experts, torch_dtype) and transformers 5 keys describe one model."""
+    assert _config(case, "config_legacy.json") == _config(case)
+
+
+def test_gemma2_per_layer_data():
+    c = _config("gemma2_softcap")
+    assert c.layer_types == (SLIDING, FULL, SLIDING, FULL)
+    assert [c.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert c.attn_scale == 24 ** -0.5 and c.attn_logit_softcap == 10.0 and c.final_logit_softcap == 5.0
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings and not c.qk_norm
+
+
+def test_gemma3_two_rope_bases_and_pattern():
+    c = _config("gemma3_text")
+    assert c.layer_types == (SLIDING,) * 5 + (FULL,)
+    assert c.rope_theta == 1e6 and c.rope_scaling == {"factor": 4.0, "rope_type": "linear"}
+    assert c.local_rope_theta == 10000.0 and c.qk_norm and c.attn_logit_softcap is None
+
+
+def test_layer_pattern_without_layer_types():
+    """Without `layer_types`, every pattern-th layer is global: 2 for Gemma 2, sliding_window_pattern for Gemma 3."""
+    cfg = json.loads((FIXTURES / "gemma2_softcap" / "config_legacy.json").read_text())
+    cfg["num_hidden_layers"] = 5
+    assert ModelConfig.from_hf_dict(cfg).layer_types == (SLIDING, FULL, SLIDING, FULL, SLIDING)
+    cfg = json.loads((FIXTURES / "gemma3_text" / "config_legacy.json").read_text())
+    cfg.update(num_hidden_layers=7, sliding_window_pattern=3)
+    assert ModelConfig.from_hf_dict(cfg).layer_types == (SLIDING, SLIDING, FULL) * 2 + (SLIDING,)
+
+
+def test_multimodal_gemma3_serves_its_language_model():
+    """A `gemma3` checkpoint's text_config names only what differs from Gemma3TextConfig's defaults."""
+    cfg = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "torch_dtype": "bfloat16",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    c = ModelConfig.from_hf_dict(cfg)
+    assert c.model_type == "gemma3_text" and c.torch_dtype == "bfloat16"
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim) == (262_208, 8, 4, 256)
+    assert c.layer_types[:6] == (SLIDING,) * 5 + (FULL,) and c.layer_window(0) == 1024
+    assert c.local_rope_theta == 10_000.0 and c.rope_scaling["factor"] == 8.0 and c.attn_scale == 256 ** -0.5
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["sliding_attention"]}, "layer_types must list 4"),
+    ({"layer_types": ["local"] * 4}, "layer_types must list 4"),
+    ({"hidden_activation": "relu"}, "unsupported hidden activation"),
+    ({"sliding_window": None}, "sliding_window is not set"),
+])
+def test_bad_family_configs_are_refused_by_name(change, message):
+    cfg = {**json.loads((FIXTURES / "gemma2_softcap" / "config.json").read_text()), **change}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def _stages(num_layers: int, pp: int) -> SimpleNamespace:
+    """What `check_stage_pattern` reads of a MeshPlan, without the devices a real pipeline needs."""
+    per = -(-num_layers // pp)
+    at = lambda stage, slot: stage * per + slot if stage * per + slot < num_layers else None
+    return SimpleNamespace(pp=pp, layers_per_stage=per, layer_at=at)
+
+
+def test_pipeline_stages_must_repeat_the_layer_pattern():
+    """Every stage runs one graph: layer slot j must be one kind of layer on all stages."""
+    gemma2 = _config("gemma2_softcap")  # S F S F: two stages of (S, F) repeat it
+    check_stage_pattern(gemma2, _stages(4, 2))
+    assert gemma2.first_layers(2).layer_types == (SLIDING, FULL)
+    check_stage_pattern(_config("gemma3_text"), _stages(6, 1))
+    with pytest.raises(ValueError, match="layers \\[2, 5\\] in one slot"):
+        check_stage_pattern(_config("gemma3_text"), _stages(6, 2))  # S S S | S S F
