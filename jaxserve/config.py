@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxserve.config_families import FULL, SLIDING, family_fields, text_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,16 +40,21 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"/mlp/down_proj/kernel$", ("mlp", None)),
     (r"/mlp/down_proj/bias$", (None,)),
     (r"norm/weight$", (None,)),  # RMSNorm weights (input, post-attention, final, q/k norms)
+    # Mixtures of experts: the router is replicated; each expert's MLP splits like the dense one.
+    (r"/(mlp|block_sparse_moe)/gate/kernel$", (None, None)),
+    (r"/experts/(gate_proj|up_proj|w1|w3)$", ("experts", None, "expert_mlp")),
+    (r"/experts/(down_proj|w2)$", ("experts", "expert_mlp", None)),
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {
     "vocab": TP_AXES,
     "heads": TP_AXES,
     "mlp": TP_AXES,
+    "expert_mlp": TP_AXES,
     "kv_heads": TENSOR,
 }
 
-PADDABLE = frozenset({"vocab", "mlp"})  # zero padding along these is exact
+PADDABLE = frozenset({"vocab", "mlp", "expert_mlp"})  # zero padding along these is exact
 
 # KV cache pages per layer: [num_kv_heads, num_pages, page_size, head_dim].
 KV_CACHE_AXES = ("kv_heads", None, None, None)

@@ -8,13 +8,17 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.loader.placement import check_stage_pattern
+from jaxserve.model.moe import grouped_ffn, routed_ffn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
-FAMILY_FIXTURES = ["gemma2_softcap", "gemma3_text", "gemma3_text_hd256"]
+FAMILY_FIXTURES = ["gemma2_softcap", "gemma3_text", "gemma3_text_hd256", "qwen3_moe", "mixtral"]
 
 
 def _config(case: str, name: str = "config.json") -> ModelConfig:
@@ -94,3 +98,47 @@ def test_pipeline_stages_must_repeat_the_layer_pattern():
     check_stage_pattern(_config("gemma3_text"), _stages(6, 1))
     with pytest.raises(ValueError, match="layers \\[2, 5\\] in one slot"):
         check_stage_pattern(_config("gemma3_text"), _stages(6, 2))  # S S S | S S F
+
+
+def test_moe_configs():
+    q = _config("qwen3_moe")
+    assert q.sparse_layers == (True, False, True)  # mlp_only_layers [1]
+    assert (q.num_experts, q.num_experts_per_tok, q.moe_intermediate_size, q.intermediate_size) == (8, 2, 16, 96)
+    assert q.norm_topk_prob and q.qk_norm and q.sliding_window is None
+    m = _config("mixtral")
+    assert m.sparse_layers == (True, True) and m.norm_topk_prob and m.moe_intermediate_size == 16
+    assert [m.layer_window(i) for i in range(2)] == [20, 20]
+    cfg = json.loads((FIXTURES / "qwen3_moe" / "config_legacy.json").read_text())
+    cfg.update(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[])
+    assert ModelConfig.from_hf_dict(cfg).sparse_layers == (False, True, False, True)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**cfg, "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("method", ["tiled", "ragged_dot"])
+def test_grouped_ffn_matches_each_expert_applied_alone(method):
+    """Segments of every size: empty experts, one spanning several tiles, tiles shared by experts."""
+    rng = np.random.default_rng(0)
+    sizes = np.array([0, 5, 70, 1, 0, 33, 2, 9], np.int32)
+    hidden, inter = 16, 8
+    rows = jnp.asarray(rng.normal(size=(sizes.sum(), hidden)), jnp.float32)
+    w_gate, w_up = (jnp.asarray(rng.normal(size=(8, hidden, inter)), jnp.float32) for _ in range(2))
+    w_down = jnp.asarray(rng.normal(size=(8, inter, hidden)), jnp.float32)
+    got = grouped_ffn(rows, jnp.asarray(sizes), w_gate, w_up, w_down, jax.nn.silu, method)
+    expert = np.repeat(np.arange(8), sizes)
+    want = jnp.einsum("ai,aih->ah", jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, w_gate[expert]))
+                      * jnp.einsum("ah,ahi->ai", rows, w_up[expert]), w_down[expert])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4)
+
+
+def test_routed_ffn_weights_and_adds_back_each_tokens_experts():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    w_gate, w_up = (jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.float32) for _ in range(2))
+    w_down = jnp.asarray(rng.normal(size=(3, 5, 4)), jnp.float32)
+    experts = jnp.asarray([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1], [1, 2]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(6, 2)), jnp.float32)
+    ffn = lambda e, v: (jax.nn.silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
+    want = jnp.stack([sum(weights[n, j] * ffn(int(experts[n, j]), x[n]) for j in range(2)) for n in range(6)])
+    np.testing.assert_allclose(routed_ffn(x, weights, experts, w_gate, w_up, w_down, jax.nn.silu), want,
+                               rtol=1e-5, atol=1e-5)
