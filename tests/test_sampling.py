@@ -102,3 +102,20 @@ def test_a_row_without_filters_draws_the_same_whether_neighbours_filter_or_not()
 @pytest.mark.parametrize("big_seed", [2**40 + 5, 2**63 - 1])
 def test_64_bit_seeds_are_accepted(big_seed):
     assert 0 <= draw([SlotSampling(temperature=1.0, seed=big_seed)])[0] < VOCAB
+
+
+@pytest.mark.parametrize("top_p_only_row", [False, True], ids=["bounded", "sorted"])
+def test_a_bounded_top_k_keeps_what_the_vocabulary_sort_keeps(monkeypatch, top_p_only_row):
+    """Rows whose top_k is small take candidates from lax.top_k (a 262k sort is 30x slower); a row with top-p
+    alone makes the step sort; either way the kept tokens are those of the full sort."""
+    from jaxserve.sampling import sampler
+    monkeypatch.setattr(sampler, "TOP_K_CANDIDATES", 8)
+    logits = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32) * 2
+    rows = [SlotSampling(1.0, top_k=5, top_p=0.7), SlotSampling(1.0, top_k=8, min_p=0.2), SlotSampling(1.0),
+            SlotSampling(1.0, top_p=0.5) if top_p_only_row else SlotSampling(1.0, top_k=3)]
+    params = pack_sampling(rows)
+    got = np.asarray(sampler._kept_by_filters(logits, params))
+    want = np.asarray(sampler._kept_among(logits, params, *sampler._sorted(logits)))
+    filtering = [0, 1, 3]  # the sampler ignores what the filters say of row 2 (it sets none)
+    np.testing.assert_array_equal(got[filtering], want[filtering])
+    assert got[0].sum() <= 5 and got[3].sum() >= 1
