@@ -71,7 +71,7 @@ def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) 
     mesh_shape = dict(plan.mesh.shape)
     entries = []
     for path, spec in param_specs(config, dtype):
-        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad)
+        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad, expert_parallel=plan.expert_parallel)
         mesh = plan.stage_mesh(int(path[1]) // plan.layers_per_stage) if is_layer_param(path) else plan.mesh
         entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
     return entries

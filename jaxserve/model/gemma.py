@@ -24,7 +24,8 @@ from flax import nnx
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.model import parallel
 from jaxserve.model.activations import ACTIVATIONS
-from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM, _linear
+from jaxserve.model.decoder import init_decoder
+from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import inverse_frequencies, rope_cos_sin
 
@@ -88,13 +89,7 @@ class GemmaDecoderLayer(nnx.Module):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        c = config
-        self.config = config
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([GemmaDecoderLayer(c, i, dtype, rngs) for i in range(c.num_layers)])
-        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        if not c.tie_word_embeddings:
-            self.lm_head = _linear(dtype, c.hidden_size, c.vocab_size, False, rngs)
+        init_decoder(self, config, dtype, rngs, GemmaDecoderLayer, GemmaRMSNorm)
 
     def embed(self, tokens: jax.Array, tp_axis: Axis = None) -> jax.Array:
         x = super().embed(tokens, tp_axis)
@@ -105,7 +100,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
         full = rope_cos_sin(positions, inverse_frequencies(self.config))
         local = full
         if self.config.local_rope_theta is not None:
-            local_config = dataclasses.replace(self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None)
+            local_config = dataclasses.replace(self.config, rope_theta=self.config.local_rope_theta,
+                                               rope_scaling=None)
             local = rope_cos_sin(positions, inverse_frequencies(local_config))
         return {FULL: full[0], SLIDING: local[0]}, {FULL: full[1], SLIDING: local[1]}
 

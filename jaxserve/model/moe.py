@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.activations import ACTIVATIONS
+from jaxserve.model.decoder import init_decoder
 from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _linear
 from jaxserve.model.parallel import Axis
 
@@ -54,24 +55,38 @@ class SparseMoE(nnx.Module):
         self.experts = Experts(config, names, dtype, rngs)
         self.top_k, self.normalise, self.hidden_act = (config.num_experts_per_tok, config.norm_topk_prob,
                                                        config.hidden_act)
+        self.num_experts = config.num_experts
 
     def __call__(self, x: jax.Array, tp_axis: Axis = None) -> jax.Array:
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.top_k)  # [N, k]
         if self.normalise:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        y = routed_ffn(x, weights.astype(x.dtype), experts, *self.experts.weights(), ACTIVATIONS[self.hidden_act])
+        w_gate, w_up, w_down = self.experts.weights()
+        # Expert parallel: this device holds experts first .. first + local - 1 (whole), and the all-reduce
+        # below adds the other devices' experts' outputs.
+        first = 0 if tp_axis is None or w_gate.shape[0] == self.num_experts else (
+            jax.lax.axis_index(tp_axis) * w_gate.shape[0])
+        y = routed_ffn(x, weights.astype(x.dtype), experts, w_gate, w_up, w_down, ACTIVATIONS[self.hidden_act],
+                       num_experts=self.num_experts, first_expert=first)
         return y if tp_axis is None else jax.lax.psum(y, tp_axis)
 
 
-def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | None = None) -> jax.Array:
-    """sum over k of weights[n, k] * expert[experts[n, k]](x[n]): x [N, H], weights / experts [N, k]."""
+def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | None = None,
+               num_experts: int | None = None, first_expert=0) -> jax.Array:
+    """sum over k of weights[n, k] * expert[experts[n, k]](x[n]): x [N, H], weights / experts [N, k], for
+    the experts first_expert .. first_expert + E_local - 1 whose weights are given ([E_local, ...])."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order within
     token = order // k
-    group_sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
-    out = grouped_ffn(x[token], group_sizes, w_gate, w_up, w_down, act, method)
+    sizes = jnp.bincount(flat, length=num_experts or w_gate.shape[0]).astype(jnp.int32)
+    # The local experts' segments are contiguous: rotate them to the front, compute, rotate back. Rows of
+    # other experts come out zero (no segment covers them).
+    start = (jnp.cumsum(sizes) - sizes)[first_expert]
+    local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first_expert, w_gate.shape[0])
+    rows = jnp.roll(x[token], -start, axis=0)
+    out = jnp.roll(grouped_ffn(rows, local_sizes, w_gate, w_up, w_down, act, method), start, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
 
@@ -138,10 +153,4 @@ class MoEDecoderLayer(nnx.Module):
 
 class MoEForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        c = config
-        self.config = config
-        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([MoEDecoderLayer(c, i, dtype, rngs) for i in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        if not c.tie_word_embeddings:
-            self.lm_head = _linear(dtype, c.hidden_size, c.vocab_size, False, rngs)
+        init_decoder(self, config, dtype, rngs, MoEDecoderLayer, RMSNorm)
