@@ -142,3 +142,18 @@ def test_routed_ffn_weights_and_adds_back_each_tokens_experts():
     want = jnp.stack([sum(weights[n, j] * ffn(int(experts[n, j]), x[n]) for j in range(2)) for n in range(6)])
     np.testing.assert_allclose(routed_ffn(x, weights, experts, w_gate, w_up, w_down, jax.nn.silu), want,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["tiled", "ragged_dot"])
+def test_expert_parallel_shares_add_up_to_all_experts(method):
+    """Each device of an expert-parallel group runs only its experts; the all-reduce's sum is the whole."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    w_gate, w_up = (jnp.asarray(rng.normal(size=(4, 4, 3)), jnp.float32) for _ in range(2))
+    w_down = jnp.asarray(rng.normal(size=(4, 3, 4)), jnp.float32)
+    experts = jnp.asarray([[0, 3], [1, 2], [3, 1], [2, 0], [1, 3]], jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(5, 2)), jnp.float32)
+    whole = routed_ffn(x, weights, experts, w_gate, w_up, w_down, jax.nn.silu, method)
+    shares = [routed_ffn(x, weights, experts, w_gate[i:i + 2], w_up[i:i + 2], w_down[i:i + 2], jax.nn.silu, method,
+                         num_experts=4, first_expert=i) for i in (0, 2)]
+    np.testing.assert_allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-5)

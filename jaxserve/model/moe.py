@@ -82,11 +82,14 @@ def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | Non
     token = order // k
     sizes = jnp.bincount(flat, length=num_experts or w_gate.shape[0]).astype(jnp.int32)
     # The local experts' segments are contiguous: rotate them to the front, compute, rotate back. Rows of
-    # other experts come out zero (no segment covers them).
+    # other devices' experts come out zero.
     start = (jnp.cumsum(sizes) - sizes)[first_expert]
     local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first_expert, w_gate.shape[0])
     rows = jnp.roll(x[token], -start, axis=0)
-    out = jnp.roll(grouped_ffn(rows, local_sizes, w_gate, w_up, w_down, act, method), start, axis=0)
+    out = grouped_ffn(rows, local_sizes, w_gate, w_up, w_down, act, method)
+    # Rows past the local segments are not defined by every backend's ragged_dot: zero them explicitly.
+    out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(local_sizes))[:, None], out, 0)
+    out = jnp.roll(out, start, axis=0)
     out = out * weights.reshape(-1)[order][:, None]
     return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
 
