@@ -157,3 +157,24 @@ def test_expert_parallel_shares_add_up_to_all_experts(method):
     shares = [routed_ffn(x, weights, experts, w_gate[i:i + 2], w_up[i:i + 2], w_down[i:i + 2], jax.nn.silu, method,
                          num_experts=4, first_expert=i) for i in (0, 2)]
     np.testing.assert_allclose(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-5)
+
+
+# Gemma-style templates (written for this test): turns are `user` / `model`; one folds a system message
+# into the first user turn, as Gemma 3's does, the other refuses it, as Gemma 2's does.
+FOLDING = ("{{ bos_token }}{% set sys = messages[0]['content'] + '\n\n' if messages[0]['role'] == 'system' "
+           "else '' %}{% for m in messages if m['role'] != 'system' %}<start_of_turn>"
+           "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ sys if loop.first else '' }}"
+           "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+           "{% endif %}")
+REFUSING = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+
+
+def test_a_system_message_goes_where_the_checkpoints_template_puts_it(stories_dir):
+    from jaxserve.text.chat_template import ChatTemplateError
+    from jaxserve.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(stories_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, chat_template=FOLDING) == (
+        "<s><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(ChatTemplateError, match="System role not supported"):  # the server's 400
+        tok.apply_chat_template(messages, chat_template=REFUSING)
