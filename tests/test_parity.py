@@ -120,7 +120,7 @@ def test_step_matches_transformers(case, mixed):
     check_parity(make_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied"])
+@pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied", "gemma2_softcap"])
 def test_dense_reference_backend_matches_transformers(case):
     """The dense reference (the definition the kernels are tested against) through the whole model."""
     check_parity(make_runner(case, "reference"), np.load(FIXTURES / case / "golden.npz"), mixed=True)
