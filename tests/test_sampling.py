@@ -104,15 +104,18 @@ def test_64_bit_seeds_are_accepted(big_seed):
     assert 0 <= draw([SlotSampling(temperature=1.0, seed=big_seed)])[0] < VOCAB
 
 
-@pytest.mark.parametrize("top_p_only_row", [False, True], ids=["bounded", "sorted"])
-def test_a_bounded_top_k_keeps_what_the_vocabulary_sort_keeps(monkeypatch, top_p_only_row):
-    """Rows whose top_k is small take candidates from lax.top_k (a 262k sort is 30x slower); a row with top-p
-    alone makes the step sort; either way the kept tokens are those of the full sort."""
+@pytest.mark.parametrize("last_row", ["top_k", "top_p_closed", "top_p_open", "min_p_closed"])
+def test_candidates_from_top_k_keep_what_the_vocabulary_sort_keeps(monkeypatch, last_row):
+    """Rows whose filters provably stop within the best few candidates take them from lax.top_k (a 262k
+    sort is 30x slower): a small top_k, a top_p the candidates' mass reaches, a min_p cut above the last
+    candidate; otherwise the step sorts. Either way the kept tokens are those of the full sort."""
     from jaxserve.sampling import sampler
     monkeypatch.setattr(sampler, "TOP_K_CANDIDATES", 8)
     logits = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32) * 2
-    rows = [SlotSampling(1.0, top_k=5, top_p=0.7), SlotSampling(1.0, top_k=8, min_p=0.2), SlotSampling(1.0),
-            SlotSampling(1.0, top_p=0.5) if top_p_only_row else SlotSampling(1.0, top_k=3)]
+    logits[3, :4] += 8  # a peaked row: its first 8 candidates hold nearly all the mass
+    last = {"top_k": SlotSampling(1.0, top_k=3), "top_p_closed": SlotSampling(1.0, top_p=0.9),
+            "top_p_open": SlotSampling(1.0, top_p=0.999999), "min_p_closed": SlotSampling(1.0, min_p=0.01)}[last_row]
+    rows = [SlotSampling(1.0, top_k=5, top_p=0.7), SlotSampling(1.0, top_k=8, min_p=0.2), SlotSampling(1.0), last]
     params = pack_sampling(rows)
     got = np.asarray(sampler._kept_by_filters(logits, params))
     want = np.asarray(sampler._kept_among(logits, params, *sampler._sorted(logits)))
