@@ -1,7 +1,9 @@
 """Configuration: one dataclass per concern, each validated once in `__post_init__`.
 
 1. `ModelConfig` is read from a Hugging Face `config.json` and normalised so the model code sees one shape
-   of config for every supported `model_type` (Llama, Mistral, Qwen2, Qwen3).
+   of config for every supported `model_type` (Llama, Mistral, Qwen2, Qwen3; Gemma 2 and 3 and the
+   mixtures of experts Qwen3-MoE and Mixtral with their own keys read by `config_families.py`). Layer-wise
+   differences (sliding or global attention, sparse or dense MLP) are per-layer tuples: data, not code.
 2. `CacheConfig` sizes the paged KV cache; `SchedulerConfig` fixes the slots, the token budget of a step
    and the token-count buckets its arrays are padded to, so every array shape is known at start.
 """
@@ -13,7 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from jaxserve.config_families import FULL, SLIDING, family_fields, text_config
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,19 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Per layer: "sliding_attention" (the layer uses `sliding_window`) or "full_attention". Empty: every
+    # layer slides when `sliding_window` is set (Mistral, Mixtral). Filled in by __post_init__.
+    layer_types: tuple[str, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its ** -0.5, not head_dim's
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own (unscaled) RoPE base
+    num_experts: int = 0  # mixture of experts: 0 = dense model
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum 1
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or the dense MLP; () = all dense
     # False for a pooling runner: it stops at the final norm, so an untied LM head is neither loaded nor
     # required (embedding checkpoints saved as the bare decoder have none).
     has_lm_head: bool = True
@@ -47,6 +64,23 @@ class ModelConfig:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r}; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if not self.layer_types:
+            kind = SLIDING if self.sliding_window else FULL
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (False,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        for name in ("layer_types", "sparse_layers"):
+            if len(getattr(self, name)) != self.num_layers:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_layers} layers")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types names sliding_attention layers but sliding_window is not set")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if any(self.sparse_layers) and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} must be a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
@@ -58,6 +92,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        cfg = text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; "
@@ -70,12 +105,14 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             rope_scaling["rope_type"] = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_scaling["rope_type"] == "default":  # transformers 5 spells "no scaling" this way
+                rope_scaling = None
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         # Qwen2/3 carry a sliding_window value even when it is switched off by use_sliding_window.
         sliding_window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding_window = None
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -98,6 +135,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
         )
+        return cls(**{**fields, **family_fields(cfg, cfg["num_hidden_layers"])})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
@@ -113,6 +151,19 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to the whole context)."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def first_layers(self, count: int) -> "ModelConfig":
+        """This config cut to its first `count` layers (a pipeline stage's model)."""
+        return dataclasses.replace(self, num_layers=count, layer_types=self.layer_types[:count],
+                                   sparse_layers=self.sparse_layers[:count])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ class EngineArgs:
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
     tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # pipeline stages (contiguous blocks of layers)
+    enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel device, not slices of all
     distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
     num_processes: int | None = None
     process_id: int | None = None
@@ -80,7 +81,7 @@ class EngineArgs:
     @property
     def parallel(self) -> ParallelConfig:
         from sharding import ParallelConfig  # imports JAX: only once a model is built
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel)
 
 
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

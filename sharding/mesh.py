@@ -41,6 +41,8 @@ TP_AXES = (TENSOR, KV_REPLICA)  # the tensor-parallel group: collectives over bo
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Mixtures of experts: whole experts on each tensor-parallel device instead of a slice of every one.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -61,6 +63,7 @@ class MeshPlan:
     kv_replicas: int
     num_layers: int  # of the model
     layers_per_stage: int
+    expert_parallel: bool = False  # experts split over the tensor group (see rules.EXPERT_PARALLEL_AXES)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -88,7 +91,7 @@ class MeshPlan:
         stages = f", {self.layers_per_stage} layers per stage" + (f" ({pad} padding)" if pad else "")
         return (f"mesh {dict(self.mesh.shape)} on {self.mesh.devices.size} {self.mesh.devices.flat[0].platform} "
                 f"device(s): tensor parallel {self.tp}{kv}, pipeline parallel {self.pp}"
-                + (stages if self.pp > 1 else ""))
+                + (stages if self.pp > 1 else "") + (", expert parallel" if self.expert_parallel else ""))
 
 
 def make_plan(parallel: ParallelConfig, *, num_layers: int, num_heads: int, num_kv_heads: int,
@@ -118,7 +121,7 @@ def make_plan(parallel: ParallelConfig, *, num_layers: int, num_heads: int, num_
     kv_replicas = tp // num_kv_heads if tp > num_kv_heads else 1
     mesh = Mesh(grid.reshape(pp, tp // kv_replicas, kv_replicas), (PIPELINE, TENSOR, KV_REPLICA))
     return MeshPlan(mesh=mesh, tp=tp, pp=pp, kv_replicas=kv_replicas, num_layers=num_layers,
-                    layers_per_stage=-(-num_layers // pp))
+                    layers_per_stage=-(-num_layers // pp), expert_parallel=parallel.enable_expert_parallel)
 
 
 def _device_grid(devices: list, pp: int, tp: int) -> np.ndarray:

@@ -4,7 +4,9 @@
    (`vocab`, `heads`, `kv_heads`, `mlp`, or None for dimensions kept whole). Megatron's layout follows
    from it: q/k/v and gate/up are column-parallel (their output dimension is split), o_proj and down_proj
    are row-parallel (their input dimension is split, so each device holds a partial sum that the model
-   all-reduces), the embedding and LM head are split over the vocabulary.
+   all-reduces), the embedding and LM head are split over the vocabulary. Stacked MoE experts split each
+   expert's intermediate size (`expert_mlp`) like the dense MLP, or, with expert parallelism, the
+   experts axis (`EXPERT_PARALLEL_AXES`).
 2. `LOGICAL_TO_MESH` maps those names to mesh axes: everything tensor-parallel uses the whole tensor
    group, except KV heads, which use only the `tensor` axis and so are replicated over `kv_replica`.
 3. `param_layout` turns a parameter's path and shape into its padded shape and PartitionSpec on a stage's
@@ -40,16 +42,25 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"/mlp/down_proj/kernel$", ("mlp", None)),
     (r"/mlp/down_proj/bias$", (None,)),
     (r"norm/weight$", (None,)),  # RMSNorm weights (input, post-attention, final, q/k norms)
+    # Mixtures of experts: the router is replicated; each expert's MLP splits like the dense one.
+    (r"/(mlp|block_sparse_moe)/gate/kernel$", (None, None)),
+    (r"/experts/(gate_proj|up_proj|w1|w3)$", ("experts", None, "expert_mlp")),
+    (r"/experts/(down_proj|w2)$", ("experts", "expert_mlp", None)),
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {
     "vocab": TP_AXES,
     "heads": TP_AXES,
     "mlp": TP_AXES,
+    "expert_mlp": TP_AXES,
     "kv_heads": TENSOR,
 }
 
-PADDABLE = frozenset({"vocab", "mlp"})  # zero padding along these is exact
+# `--enable-expert-parallel` (vLLM's flag): each device of the tensor group holds whole experts (E / tp of
+# them, which must divide) instead of a 1 / tp slice of every expert's intermediate size.
+EXPERT_PARALLEL_AXES: dict[str, str | tuple[str, ...] | None] = {"experts": TP_AXES, "expert_mlp": None}
+
+PADDABLE = frozenset({"vocab", "mlp", "expert_mlp"})  # zero padding along these is exact
 
 # KV cache pages per layer: [num_kv_heads, num_pages, page_size, head_dim].
 KV_CACHE_AXES = ("kv_heads", None, None, None)
@@ -84,14 +95,16 @@ def axis_size(mesh_axes: str | tuple[str, ...], mesh_shape: dict[str, int]) -> i
     return size
 
 
-def param_layout(path: tuple, shape: tuple[int, ...], mesh_shape: dict[str, int], pad: bool = True) -> ParamLayout:
+def param_layout(path: tuple, shape: tuple[int, ...], mesh_shape: dict[str, int], pad: bool = True,
+                 expert_parallel: bool = False) -> ParamLayout:
     """Padded shape and tensor-axis PartitionSpec of one parameter.
 
     With pad=False (writing a checkpoint) a dimension that does not divide is kept whole instead.
     """
+    axis_map = LOGICAL_TO_MESH | EXPERT_PARALLEL_AXES if expert_parallel else LOGICAL_TO_MESH
     padded, spec = [], []
     for dim, axis in zip(shape, logical_axes(path, len(shape))):
-        mesh_axes = LOGICAL_TO_MESH.get(axis) if axis else None
+        mesh_axes = axis_map.get(axis) if axis else None
         n = axis_size(mesh_axes, mesh_shape) if mesh_axes else 1
         if dim % n == 0:
             padded.append(dim)

@@ -120,7 +120,35 @@ def test_step_matches_transformers(case, mixed):
     check_parity(make_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
 
 
-@pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied"])
+@pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied", "gemma2_softcap"])
 def test_dense_reference_backend_matches_transformers(case):
     """The dense reference (the definition the kernels are tested against) through the whole model."""
     check_parity(make_runner(case, "reference"), np.load(FIXTURES / case / "golden.npz"), mixed=True)
+
+
+# Goldens with 64 tokens of transformers' cached greedy generation (the issue-29 families).
+GREEDY_CASES = [c for c in CASES if "greedy" in np.load(FIXTURES / c / "golden.npz").files]
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES)
+def test_prefix_hit_then_64_greedy_tokens_match_transformers(case):
+    """A sequence that finds the first 32 prompt tokens cached by another (a prefix-cache hit: its page
+    table starts with the other's pages) prefills the other 16, then decodes 64 greedy tokens, far past
+    every sliding window: logits within 1e-4 wherever a golden exists, tokens equal to `generate`'s."""
+    runner, golden = make_runner(case), np.load(FIXTURES / case / "golden.npz")
+    ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
+    per_seq = pages_needed(MAX_LEN, PAGE_SIZE)
+    free = PageAllocator(64).allocate(2 * per_seq + 1)[::-1]
+    donor, own = free[:per_seq], free[per_seq:2 * per_seq]
+    cached = 32 // PAGE_SIZE
+    runner.run(StepPlan.of([ScheduledSeq.for_sequence(1, donor, 0, ids[:32])]))
+    table = donor[:cached] + own[cached:]
+    out = runner.run(StepPlan.of([ScheduledSeq.for_sequence(0, table, 32, ids[32:prompt_len])]))
+    np.testing.assert_allclose(out.logits[out.rows[0]], ref_logits[32:prompt_len], atol=1e-4, rtol=0)
+    generated = [int(out.samples[0])]
+    for position in range(prompt_len, prompt_len + len(golden["greedy"]) - 1):
+        out = runner.run(StepPlan.of([ScheduledSeq.for_sequence(0, table, position, [generated[-1]])]))
+        if position < len(ref_logits):
+            np.testing.assert_allclose(out.logits[out.rows[0]][0], ref_logits[position], atol=1e-4, rtol=0)
+        generated.append(int(out.samples[0]))
+    assert generated == golden["greedy"].tolist()

@@ -36,6 +36,20 @@ def test_rules_split_heads_mlp_vocab_and_replicate_kv_heads():
     assert kv_cache_spec() == P(("pipeline", "tensor"), None, None, None)
 
 
+def test_experts_split_their_mlp_or_with_expert_parallelism_their_experts():
+    tp = ("tensor", "kv_replica")
+    gate = ("layers", "0", "mlp", "experts", "gate_proj")
+    down = ("layers", "1", "block_sparse_moe", "experts", "w2")
+    assert param_layout(gate, (64, 32, 20), MESH).spec == P(None, None, tp)
+    assert param_layout(gate, (64, 32, 20), MESH).padded == (64, 32, 24)  # zero columns: act(0) * 0 = 0
+    assert param_layout(down, (64, 20, 32), MESH).spec == P(None, tp, None)
+    assert param_layout(gate, (64, 32, 20), MESH, expert_parallel=True).spec == P(tp, None, None)
+    assert param_layout(down, (64, 20, 32), MESH, expert_parallel=True).spec == P(tp, None, None)
+    assert param_layout(("layers", "0", "mlp", "gate", "kernel"), (32, 64), MESH).spec == P(None, None)  # router
+    with pytest.raises(ValueError, match="does not split 8 ways"):  # experts are never padded
+        param_layout(gate, (60, 32, 20), MESH, expert_parallel=True)
+
+
 def test_heads_must_divide():
     with pytest.raises(ValueError, match="qkv|q_proj|does not split"):
         param_layout(("layers", "0", "self_attn", "q_proj", "kernel"), (64, 60), MESH)

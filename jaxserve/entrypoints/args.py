@@ -82,6 +82,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="devices that split each layer (attention heads, MLP columns, vocabulary)")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="pipeline stages, each a contiguous block of layers")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="mixture-of-experts models: place whole experts on the tensor-parallel devices "
+                        "(the experts must divide by the tensor-parallel size) instead of slicing every expert")
     g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
                    help="process 0's address for jax.distributed ('auto': detect Cloud TPU / SLURM / MPI; "
                         "default: $JAX_COORDINATOR_ADDRESS or single-process)")

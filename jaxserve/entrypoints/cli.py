@@ -51,8 +51,8 @@ def _convert(ns: argparse.Namespace) -> int:
     from sharding import ParallelConfig
     from sharding.multihost import initialize
     initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
-    convert(ns.model, ns.output, ns.dtype, ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size),
-            format=ns.format)
+    parallel = ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.enable_expert_parallel)
+    convert(ns.model, ns.output, ns.dtype, parallel, format=ns.format)
     sys.stdout.write(f"{ns.output}\n")
     return 0
 

@@ -28,9 +28,9 @@ class LLM:
         the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
-        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, scheduling_policy,
-        target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner ("auto", "generate" or
-        "pooling": embeddings with `embed`), pooler_config."""
+        pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,
+        scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner
+        ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)

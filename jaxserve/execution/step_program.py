@@ -114,9 +114,10 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
         cos, sin = model.rope(positions[micro])
         cu_q_lens, kv_lens = _microbatch_view(batch.cu_q_lens, batch.kv_lens, micro * size, size)
 
-        def attend(q, k_pages, v_pages):
-            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
-                                    sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+        def attend(q, k_pages, v_pages, **scoring):
+            # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap).
+            scoring = dict(sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window) | scoring
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens, **scoring)
 
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
 

@@ -71,7 +71,7 @@ def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) 
     mesh_shape = dict(plan.mesh.shape)
     entries = []
     for path, spec in param_specs(config, dtype):
-        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad)
+        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad, expert_parallel=plan.expert_parallel)
         mesh = plan.stage_mesh(int(path[1]) // plan.layers_per_stage) if is_layer_param(path) else plan.mesh
         entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
     return entries
@@ -146,8 +146,20 @@ class ModuleReader(RegionReader):
         self.params.clear()
 
 
+def check_stage_pattern(config: ModelConfig, plan: MeshPlan) -> None:
+    """Every stage runs one graph, so layer slot j must be the same kind of layer on every stage."""
+    for slot in range(plan.layers_per_stage):
+        layers = [plan.layer_at(s, slot) for s in range(plan.pp)]
+        kinds = {(config.layer_types[i], config.sparse_layers[i]) for i in layers if i is not None}
+        if len(kinds) > 1:
+            raise ValueError(f"pipeline parallelism over {plan.pp} stages puts layers {layers} in one slot, but "
+                             f"they differ in attention kind or MLP: choose a pipeline size whose stages repeat "
+                             f"the layer pattern")
+
+
 def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
-    stage = dataclasses.replace(config, num_layers=plan.layers_per_stage)
+    check_stage_pattern(config, plan)
+    stage = config.first_layers(plan.layers_per_stage)
     graphdef, state = nnx.split(abstract_model(stage, dtype))
     runtime = nnx.to_pure_dict(state)
     for path, _ in list(flatten(runtime)):

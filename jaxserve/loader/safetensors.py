@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import threading
 from pathlib import Path
@@ -27,6 +28,8 @@ import numpy as np
 from jaxserve.loader.placement import RegionReader
 from sharding.loading import HOST_ALIGNMENT, InPlace
 
+logger = logging.getLogger(__name__)
+
 def hf_tensor_name(path: tuple) -> tuple[str, bool]:
     """NNX parameter path -> (Hugging Face tensor name, whether to transpose)."""
     *module_path, leaf = (str(p) for p in path)
@@ -34,6 +37,43 @@ def hf_tensor_name(path: tuple) -> tuple[str, bool]:
     leaf = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
     name = ".".join(module_path + [leaf])
     return (name if name.startswith("lm_head") else f"model.{name}"), transpose
+
+
+def expert_tensor_names(path: tuple, num_experts: int) -> list[str] | None:
+    """A stacked expert parameter (`layers/0/mlp/experts/gate_proj`, [E, in, out]) -> the Hugging Face
+    names of its experts' tensors, one per expert ([out, in] each); None for any other parameter."""
+    *module_path, parent, leaf = (str(p) for p in path)
+    if parent != "experts" or leaf in ("kernel", "bias"):
+        return None
+    prefix = ".".join(["model", *module_path, "experts"])
+    return [f"{prefix}.{e}.{leaf}.weight" for e in range(num_experts)]
+
+
+# Where a multimodal checkpoint keeps its language model (transformers 5, then 4): served under these
+# names, while the vision tower and projector are skipped by name, never loaded.
+LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+SKIPPED_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+def language_model_names(stored: list[str]) -> dict[str, str]:
+    """{name a text-only checkpoint gives a tensor (`model.*`, `lm_head.*`): its name in this checkpoint}
+    for a multimodal checkpoint's language model; empty for a text-only checkpoint."""
+    if "model.embed_tokens.weight" in stored:
+        return {}
+    for prefix in LANGUAGE_MODEL_PREFIXES:
+        if prefix + "embed_tokens.weight" not in stored:
+            continue
+        aliases = {}
+        for name in stored:
+            if name.startswith(prefix):
+                aliases["model." + name[len(prefix):]] = name
+            elif name in ("lm_head.weight", "language_model.lm_head.weight"):
+                aliases["lm_head.weight"] = name
+            elif not name.startswith(SKIPPED_PREFIXES):
+                raise ValueError(f"tensor {name!r} belongs neither to the language model nor to a vision part "
+                                 f"that jaxserve skips ({', '.join(SKIPPED_PREFIXES)})")
+        return aliases
+    return {}
 
 
 def param_tensor_name(path: tuple) -> str:
@@ -149,6 +189,10 @@ class SafetensorsReader(RegionReader):
         self.model_dir = Path(model_dir)
         self.own_layout = own_layout
         self.files = safetensors_files(self.model_dir)
+        self.aliases = {} if own_layout else language_model_names(list(self.files))
+        if self.aliases:
+            skipped = sum(1 for name in self.files if name.startswith(SKIPPED_PREFIXES))
+            logger.info("%s: serving the language model; %d vision tensors skipped", self.model_dir, skipped)
         self._open: dict[Path, SafetensorsFile] = {}
         self._opening = threading.Lock()  # loader threads ask for tensors of the same file at once
         self.in_place_bytes = 0  # served where they lie in the mapping (for the log)
@@ -162,6 +206,10 @@ class SafetensorsReader(RegionReader):
 
     def _file(self, path: tuple) -> tuple[str, bool, SafetensorsFile]:
         name, transpose = (param_tensor_name(path), False) if self.own_layout else hf_tensor_name(path)
+        return self._named(name, transpose)
+
+    def _named(self, name: str, transpose: bool) -> tuple[str, bool, SafetensorsFile]:
+        name = self.aliases.get(name, name)
         if name not in self.files and name.startswith("model.") and name[len("model."):] in self.files:
             # The bare decoder's checkpoint (`AutoModel`, as sentence-transformers saves embedding models)
             # names its tensors without the causal-LM wrapper's `model.` prefix.
@@ -179,7 +227,23 @@ class SafetensorsReader(RegionReader):
     def reader(self, path: tuple, shape: tuple[int, ...]):
         """A function (index, out) that fills `out` with the region `index` of the parameter at `path`
         (NNX layout: [in, out] kernels), in out's dtype."""
-        name, transpose, file = self._file(path)
+        experts = None if self.own_layout or not shape else expert_tensor_names(path, shape[0])
+        if experts is not None:
+            return self._expert_stack(experts, shape)
+        return self._tensor_reader(*self._file(path), shape)
+
+    def _expert_stack(self, names: list[str], shape: tuple[int, ...]):
+        """Stacks the experts' [out, in] tensors into [E, in, out] regions as they are read."""
+        fills = [self._tensor_reader(*self._named(name, True), shape[1:]) for name in names]
+
+        def fill(index: tuple[slice, ...], out: np.ndarray) -> None:
+            index = index or tuple(slice(None) for _ in shape)
+            for row, expert in enumerate(range(shape[0])[index[0]]):
+                fills[expert](index[1:], out[row])
+
+        return fill
+
+    def _tensor_reader(self, name: str, transpose: bool, file: SafetensorsFile, shape: tuple[int, ...]):
         stored = tuple(file.tensors[name]["shape"])
         if (stored[::-1] if transpose else stored) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {stored}, the config implies "

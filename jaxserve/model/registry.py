@@ -11,10 +11,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxserve.model.gemma import GemmaForCausalLM
 from jaxserve.model.llama import LlamaForCausalLM
+from jaxserve.model.moe import MoEForCausalLM
 
-# Every supported type is a variant of one decoder; a new family adds a class and rows here.
+# The Llama family's types are variants of one decoder; a new family adds a class and rows here.
 MODEL_REGISTRY = {model_type: LlamaForCausalLM for model_type in SUPPORTED_MODEL_TYPES}
+MODEL_REGISTRY.update(gemma2=GemmaForCausalLM, gemma3_text=GemmaForCausalLM, qwen3_moe=MoEForCausalLM,
+                      mixtral=MoEForCausalLM)
 
 
 def model_class(config: ModelConfig):

@@ -62,8 +62,10 @@ def record_tokens(state: SamplerState, slots: jax.Array, fresh: jax.Array, token
     slots/fresh: [S]; token_slot, tokens, kinds: [T] (kind 0: padding, nothing recorded)."""
     scratch = state.output_counts.shape[0] - 1
     cleared = jnp.where(fresh > 0, slots, scratch)
-    counts = state.output_counts.at[cleared].set(0)
-    prompt = state.in_prompt.at[cleared].set(False)
+    # Clearing writes whole vocabulary rows (262k for Gemma): only in steps where a sequence is new.
+    counts, prompt = jax.lax.cond(
+        jnp.any(fresh > 0), lambda: (state.output_counts.at[cleared].set(0), state.in_prompt.at[cleared].set(False)),
+        lambda: (state.output_counts, state.in_prompt))
     counts = counts.at[jnp.where(kinds == 2, token_slot, scratch), tokens].add(1)
     prompt = prompt.at[jnp.where(kinds == 1, token_slot, scratch), tokens].set(True)
     # The scratch row collected the padding's updates; leave it clean for the next step.

@@ -68,15 +68,38 @@ def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     return jax.vmap(draw)(params.seed, params.step, masked).astype(jnp.int32)
 
 
+# Each row's best candidates come from `lax.top_k` instead of a sort of the whole vocabulary whenever they
+# provably hold every token the filters keep: at Gemma's 262k tokens the sort was 30x the top_k on CPU.
+TOP_K_CANDIDATES = 256
+
+
 def _kept_by_filters(scaled: jax.Array, params: SamplingArrays) -> jax.Array:
     """[rows, vocab] bool: the tokens top-k, top-p and min-p keep, in token order."""
-    vocab = scaled.shape[-1]
-    # One descending sort serves top-k, top-p and min-p.
+    candidates = min(TOP_K_CANDIDATES, scaled.shape[-1])
+    values, ids = jax.lax.top_k(scaled, candidates)
+    probs = jnp.exp(values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+    # A row drops every token past its candidates when its top_k stops within them, when the candidates'
+    # mass already reaches its top_p, or when the last candidate is already below its min_p cut.
+    closed = ((params.top_k > 0) & (params.top_k <= candidates)) | (
+        (params.top_p < 1) & (jnp.sum(probs, axis=-1) >= params.top_p)) | (
+        (params.min_p > 0) & (probs[:, -1] < params.min_p * probs[:, 0]))
+    filtering = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)
+    return jax.lax.cond(jnp.all(closed | ~filtering) & (candidates < scaled.shape[-1]),
+                        lambda: _kept_among(scaled, params, values, ids),
+                        lambda: _kept_among(scaled, params, *_sorted(scaled)))
+
+
+def _sorted(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
     order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
+    return jnp.take_along_axis(scaled, order, axis=-1), order
+
+
+def _kept_among(scaled: jax.Array, params: SamplingArrays, sorted_logits: jax.Array, order: jax.Array) -> jax.Array:
+    """The filters over each row's best candidates (sorted_logits, their ids `order`: [rows, C], descending);
+    probabilities are over the whole vocabulary, so top-p and min-p see the mass outside the candidates."""
+    rank = jnp.arange(sorted_logits.shape[-1])[None, :]
     keep = (params.top_k[:, None] <= 0) | (rank < params.top_k[:, None])
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    probs = jnp.exp(sorted_logits - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
     # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass before it is short.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < params.top_p[:, None]
@@ -86,4 +109,4 @@ def _kept_by_filters(scaled: jax.Array, params: SamplingArrays) -> jax.Array:
     # rank, two near-equal logits that swap places (rounding differs between batch shapes) would swap
     # noise, and a seeded request would draw differently depending on what shares its batch.
     rows = jnp.arange(scaled.shape[0])[:, None]
-    return jnp.zeros_like(keep).at[rows, order].set(keep)
+    return jnp.zeros(scaled.shape, jnp.bool_).at[rows, order].set(keep)

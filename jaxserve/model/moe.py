@@ -1,0 +1,159 @@
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the Llama decoder with a routed expert MLP.
+
+A step's cost follows its active experts, not all of them:
+1. route: router logits `x @ gate` in float32, softmax over every expert, the top k per token, their
+   weights renormalised to sum 1 where the family asks (`norm_topk_prob`; Mixtral always);
+2. group: the N * k (token, expert) assignments sorted by expert, the tokens' rows gathered in that
+   order, so each expert's rows are one contiguous segment (`group_sizes`);
+3. the experts' gated MLP over each segment with that expert's weights (`grouped_ffn`: `ragged_dot` on
+   TPU and GPU, a loop over (row tile, expert) pairs that visits only non-empty segments on CPU, whose
+   `ragged_dot` is a dense product over every expert — docs/models.md has the measurement);
+4. combine: every assignment's output times its routing weight, added back to its token's row.
+Under tensor parallelism each device holds a slice of every expert's intermediate size: partial sums,
+one all-reduce, as for the dense MLP. Which layers are sparse is per-layer data (`sparse_layers`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.activations import ACTIVATIONS
+from jaxserve.model.decoder import init_decoder
+from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm, _linear
+from jaxserve.model.parallel import Axis
+
+# Per family: the sparse block's attribute and its experts' tensors (gate, up, down), as checkpoints name
+# them (`model.layers.{i}.{block}.experts.{e}.{name}.weight`), so loading maps names one to one.
+EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+TILE_ROWS = 32  # rows per tile of the CPU grouped loop (see docs/models.md)
+
+
+class Experts(nnx.Module):
+    """Every expert's weights stacked on a leading expert axis: gate and up [E, hidden, inter], down
+    [E, inter, hidden] (checkpoints hold one tensor per expert; the loader stacks them)."""
+
+    def __init__(self, config: ModelConfig, names: tuple[str, str, str], dtype, rngs: nnx.Rngs):
+        c = config
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        shapes = ((c.num_experts, c.hidden_size, c.moe_intermediate_size),) * 2 + (
+            (c.num_experts, c.moe_intermediate_size, c.hidden_size),)
+        for name, shape in zip(names, shapes):
+            setattr(self, name, nnx.Param(init(rngs.params(), shape, dtype)))
+        self.names = names
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(getattr(self, name)[...] for name in self.names)
+
+
+class SparseMoE(nnx.Module):
+    def __init__(self, config: ModelConfig, names: tuple[str, str, str], dtype, rngs: nnx.Rngs):
+        self.gate = _linear(dtype, config.hidden_size, config.num_experts, False, rngs)  # the router
+        self.experts = Experts(config, names, dtype, rngs)
+        self.top_k, self.normalise, self.hidden_act = (config.num_experts_per_tok, config.norm_topk_prob,
+                                                       config.hidden_act)
+        self.num_experts = config.num_experts
+
+    def __call__(self, x: jax.Array, tp_axis: Axis = None) -> jax.Array:
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)  # [N, k]
+        if self.normalise:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        w_gate, w_up, w_down = self.experts.weights()
+        # Expert parallel: this device holds experts first .. first + local - 1 (whole), and the all-reduce
+        # below adds the other devices' experts' outputs.
+        first = 0 if tp_axis is None or w_gate.shape[0] == self.num_experts else (
+            jax.lax.axis_index(tp_axis) * w_gate.shape[0])
+        y = routed_ffn(x, weights.astype(x.dtype), experts, w_gate, w_up, w_down, ACTIVATIONS[self.hidden_act],
+                       num_experts=self.num_experts, first_expert=first)
+        return y if tp_axis is None else jax.lax.psum(y, tp_axis)
+
+
+def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | None = None,
+               num_experts: int | None = None, first_expert=0) -> jax.Array:
+    """sum over k of weights[n, k] * expert[experts[n, k]](x[n]): x [N, H], weights / experts [N, k], for
+    the experts first_expert .. first_expert + E_local - 1 whose weights are given ([E_local, ...])."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order within
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts or w_gate.shape[0]).astype(jnp.int32)
+    # The local experts' segments are contiguous: rotate them to the front, compute, rotate back. Rows of
+    # other devices' experts come out zero.
+    start = (jnp.cumsum(sizes) - sizes)[first_expert]
+    local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first_expert, w_gate.shape[0])
+    rows = jnp.roll(x[token], -start, axis=0)
+    out = grouped_ffn(rows, local_sizes, w_gate, w_up, w_down, act, method)
+    # Rows past the local segments are not defined by every backend's ragged_dot: zero them explicitly.
+    out = jnp.where((jnp.arange(out.shape[0]) < jnp.sum(local_sizes))[:, None], out, 0)
+    out = jnp.roll(out, start, axis=0)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(out.astype(x.dtype))
+
+
+def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None = None) -> jax.Array:
+    """down(act(rows @ gate) * (rows @ up)) with each segment's expert: rows [A, H] sorted by expert,
+    group_sizes [E] (summing to A), weights stacked [E, ...] -> [A, H]."""
+    method = method or ("tiled" if jax.default_backend() == "cpu" else "ragged_dot")
+    if method == "ragged_dot":
+        dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
+        return dot(act(dot(rows, w_gate)) * dot(rows, w_up), w_down)
+    if method == "tiled":
+        return _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, TILE_ROWS)
+    raise ValueError(f"grouped_ffn method must be ragged_dot or tiled, got {method!r}")
+
+
+def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.Array:
+    """The grouped MLP as a loop over (row tile, expert) pairs whose segments overlap: at most
+    tiles + experts - 1 pairs, and only the non-empty ones run, so a decode step reads the weights of
+    the experts its tokens chose and nothing else."""
+    a, hidden = rows.shape
+    tile = min(tile, a)
+    tiles = -(-a // tile)
+    rows = jnp.pad(rows, ((0, tiles * tile - a), (0, 0)))
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first_tile = starts // tile
+    pairs = jnp.where(group_sizes > 0, (ends - 1) // tile - first_tile + 1, 0)
+    pair_end = jnp.cumsum(pairs)
+
+    def pair(p, out):
+        g = jnp.searchsorted(pair_end, p, side="right")  # the expert of pair p
+        t = first_tile[g] + p - (pair_end[g] - pairs[g])
+        block = jax.lax.dynamic_slice_in_dim(rows, t * tile, tile)
+        y = (act(block @ w_gate[g]) * (block @ w_up[g])) @ w_down[g]
+        row = t * tile + jnp.arange(tile)
+        mine = ((row >= starts[g]) & (row < ends[g]))[:, None]
+        kept = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y.astype(out.dtype), kept), t * tile, 0)
+
+    out = jax.lax.fori_loop(0, pair_end[-1], pair, jnp.zeros((tiles * tile, hidden), rows.dtype))
+    return out[:a]
+
+
+class MoEDecoderLayer(nnx.Module):
+    """Llama's layer with the MLP of a sparse layer replaced by the routed experts."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        block, names = EXPERT_NAMES[config.model_type]
+        self.ffn_name = block if config.sparse_layers[layer] else "mlp"
+        ffn = SparseMoE(config, names, dtype, rngs) if config.sparse_layers[layer] else MLP(config, dtype, rngs)
+        setattr(self, self.ffn_name, ffn)
+
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
+                                             write_index, attend, tp_axis)
+        x = x + h
+        x = x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x), tp_axis)
+        return x, k_pages, v_pages
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        init_decoder(self, config, dtype, rngs, MoEDecoderLayer, RMSNorm)
