@@ -2,8 +2,8 @@
 
 1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
    before anything is allocated) and queues its choices; `add_pooling_request` queues a prompt to embed
-   (pooling runner: `jaxserve/pooling/`). Additions and aborts from other threads land in
-   an inbox that the next `step` drains, so only the engine thread ever mutates request state.
+   (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that the next `step`
+   drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
    then, while the device runs it, reads the draws of the step before and hands them to
    `update_from_output` (`jaxserve/scheduling/update.py`), the one place that advances requests. The
@@ -11,9 +11,8 @@
    meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Step times feed the scheduler's step-time model (`jaxserve/scheduling/step_cost.py`): warm-up times
-   idle steps of every compiled bucket, and each step whose samples the host had to wait for is measured
-   from when the device could start it (its launch, or the end of the step before) to their arrival.
+4. Step times feed the scheduler's step-time model (`scheduling/step_cost.py`): idle steps timed at
+   warm-up, then each step the host waited for, from when the device could start it to its samples.
 5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
    the same code everywhere, and its caller wraps each call in `call`.
 """
@@ -158,9 +157,8 @@ class Engine:
 
     @property
     def compilations_since_warmup(self) -> int:
-        if self.compilations_at_warmup is None:
-            return 0
-        return self.compile_events.lowered - self.compilations_at_warmup
+        at_warmup = self.compilations_at_warmup
+        return 0 if at_warmup is None else self.compile_events.lowered - at_warmup
 
     def call(self, work: Callable[[], T], on_follower: T = None) -> T:
         """Run one call of this engine's caller (an `LLM.generate`). In a multi-host run the other processes
