@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, attention_operands
 from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
 from jaxserve.sampling.sampler import sample
 from jaxserve.scheduling.pages import NULL_PAGE
@@ -111,8 +111,10 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
         cu_q_lens, kv_lens = _microbatch_view(batch.cu_q_lens, batch.kv_lens, micro * size, size)
 
         def attend(q, k_pages, v_pages):
+            k_pages, v_pages, scales = attention_operands(k_pages, v_pages)  # quantized pages: + their scales
             return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
-                                    sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window)
+                                    sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window,
+                                    **scales)
 
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
 
