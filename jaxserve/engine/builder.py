@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
@@ -83,6 +84,8 @@ def build_model(args: EngineArgs) -> BuiltModel:
                          f"model's vocabulary of {config.vocab_size}")
     reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
     reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model))
+    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
+        logger.warning("%s", warning)
     model = load_weights(reader, config, dtype, plan)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)

@@ -85,8 +85,7 @@ def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | No
     if requested in (None, "none"):
         return None
     strategy, min_rows = choose_strategy(requested, platform)
-    return LinearQuantization(requested, None, strategy, min_rows,
-                              source=f"{requested} per output channel, quantized at load")
+    return LinearQuantization(requested, None, strategy, min_rows, source="quantized at load")
 
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
@@ -96,10 +95,10 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
     spec = linear_quantization(requested, ckpt)
     if spec is None:
         return reader, config
-    logger.info("linear layers: %s; %s codes%s, run %s%s", spec.source, spec.codes,
-                f" in blocks of {spec.block_size} input rows" if spec.block_size else " per output channel",
-                spec.strategy.replace("_", " "), f" (batches padded to {spec.min_rows} rows)" if spec.min_rows > 1
-                else "")
+    logger.info("linear layers: %s codes %s (%s), run %s%s", spec.codes,
+                f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
+                spec.source, spec.strategy.replace("_", " "),
+                f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
     return QuantizedLinearReader(reader, spec, ckpt), dataclasses.replace(config, linear_quantization=spec)
 
 
