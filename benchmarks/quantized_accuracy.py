@@ -60,47 +60,55 @@ def sampled_texts(llm, tokens: int, max_len: int, seed: int = 0) -> list[list[in
     return texts
 
 
-def compare(model: str, quantization: str, tokens: int = 2000, text: str | None = None, story: str = STORY,
-            max_model_len: int | None = None) -> dict:
-    """Argmax agreement over the texts and perplexity on the story, float32 against `quantization`."""
+def compare(model: str, variants: list[dict], tokens: int = 2000, text: str | None = None, story: str = STORY,
+            max_model_len: int | None = None) -> list[dict]:
+    """Argmax agreement over the texts and perplexity on the story, float32 against each variant (engine
+    options, e.g. {"quantization": "int8", "quantization_strategy": "weight_only"})."""
     from jaxserve.config import ModelConfig
     from jaxserve.entrypoints.research import Workbench
     max_len = min(max_model_len or 2048, ModelConfig.from_pretrained(model).max_position_embeddings)
     float_bench = Workbench.load(model, dtype="float32", **engine_kwargs(max_len))
-    quant_bench = Workbench.load(model, dtype="float32", quantization=quantization, **engine_kwargs(max_len))
     if text is not None:
         ids = float_bench.tokenizer.encode(Path(text).read_text())
         texts = [ids[i:i + max_len] for i in range(0, min(len(ids), tokens), max_len)]
     else:
         texts = sampled_texts(float_bench.llm, tokens, max_len)
-    agree = positions = 0
-    for ids in texts:
-        want, _ = position_scores(float_bench, ids)
-        got, _ = position_scores(quant_bench, ids)
-        agree += int((want == got).sum())
-        positions += len(want)
     story_ids = float_bench.tokenizer.encode(story)
-    ppl = {name: float(np.exp(-position_scores(bench, story_ids)[1].mean()))
-           for name, bench in (("float32", float_bench), (quantization, quant_bench))}
-    return {"positions": positions, "agree": agree, "agreement": agree / positions,
-            "perplexity_float32": ppl["float32"], "perplexity_quantized": ppl[quantization],
-            "perplexity_rise": ppl[quantization] / ppl["float32"] - 1}
+    want = [position_scores(float_bench, ids)[0] for ids in texts]
+    float_ppl = float(np.exp(-position_scores(float_bench, story_ids)[1].mean()))
+    results = []
+    for variant in variants:
+        bench = Workbench.load(model, dtype="float32", **engine_kwargs(max_len), **variant)
+        agree = sum(int((w == position_scores(bench, ids)[0]).sum()) for w, ids in zip(want, texts))
+        positions = sum(len(w) for w in want)
+        ppl = float(np.exp(-position_scores(bench, story_ids)[1].mean()))
+        results.append({"variant": variant, "strategy": bench.model_config.linear_quantization.strategy,
+                        "positions": positions, "agree": agree, "agreement": agree / positions,
+                        "perplexity_float32": float_ppl, "perplexity_quantized": ppl,
+                        "perplexity_rise": ppl / float_ppl - 1})
+        del bench
+    return results
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--quantization", nargs="+", default=["int8", "fp8"])
+    ap.add_argument("--strategies", nargs="+", default=["auto", "weight_only"],
+                    help="how each quantization runs: auto (the backend's choice) and/or named strategies")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--text", default=None, help="a text file to score (default: stories the model samples)")
     ap.add_argument("--max-model-len", type=int, default=None)
     args = ap.parse_args(argv)
-    print("| model | weights | positions | argmax = float32 | perplexity float32 | perplexity quantized | rise |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for q in args.quantization:
-        r = compare(args.model, q, args.tokens, args.text, max_model_len=args.max_model_len)
-        print(f"| {Path(args.model).name} | {q} | {r['positions']} | {100 * r['agreement']:.2f}% | "
-              f"{r['perplexity_float32']:.4f} | {r['perplexity_quantized']:.4f} | {100 * r['perplexity_rise']:+.2f}% |")
+    variants = [dict(quantization=q, **({} if st == "auto" else {"quantization_strategy": st}))
+                for q in args.quantization for st in args.strategies
+                if not (q == "fp8" and st == "dynamic_int8") and not (q == "int8" and st == "dynamic_fp8")]
+    print("| model | weights | strategy | positions | argmax = float32 | perplexity float32 | perplexity quantized | rise |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in compare(args.model, variants, args.tokens, args.text, max_model_len=args.max_model_len):
+        print(f"| {Path(args.model).name} | {r['variant']['quantization']} | {r['strategy']} | {r['positions']} | "
+              f"{100 * r['agreement']:.2f}% | {r['perplexity_float32']:.4f} | {r['perplexity_quantized']:.4f} | "
+              f"{100 * r['perplexity_rise']:+.2f}% |")
     print(f"Reproduce: ./dev run python benchmarks/quantized_accuracy.py {' '.join(argv or sys.argv[1:])}")
     return 0
 

@@ -31,6 +31,8 @@ class LinearQuantization:
     block_size: int | None = None  # input rows per scale; None: one scale per output channel
     strategy: str = "weight_only"  # how a step multiplies (jaxserve.quantization.STRATEGIES)
     min_rows: int = 1  # smaller batches are padded to this many rows (the CPU's integer GEMM starts at 2)
+    # Dynamic strategies: activation scales per row and block of about this many input features (None: per row)
+    act_block: int | None = None
     source: str = "quantized at load"  # where the codes come from, for the log: or the checkpoint's format
 
     def __post_init__(self):

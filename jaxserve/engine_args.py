@@ -38,6 +38,9 @@ class EngineArgs:
     # Linear layers: "int8" / "fp8" quantize a float checkpoint at load (per output channel); None follows
     # the checkpoint (a pre-quantized one stays quantized); "none" insists on float weights.
     quantization: str | None = None
+    # How quantized linear layers run: None picks per backend (docs/quantization.md); "weight_only" keeps
+    # float activations (more accurate, slow on CPU), "dynamic_int8" / "dynamic_fp8" quantize them per token.
+    quantization_strategy: str | None = None
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     attention_backend: str = "auto"

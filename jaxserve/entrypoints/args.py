@@ -43,6 +43,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "norms and the LM head stay float); a pre-quantized checkpoint (compressed-tensors "
                         "int8 / fp8, AWQ, GPTQ) is detected without it, and a value that disagrees with it is "
                         "an error")
+    g.add_argument("--quantization-strategy", default=None,
+                   choices=["weight_only", "dynamic_int8", "dynamic_fp8"],
+                   help="how quantized linear layers run (default: the fastest for the backend, see "
+                        "docs/quantization.md); weight_only keeps float activations")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV page precision: 'auto' keeps the model's dtype; 'int8' and 'fp8' (e4m3) store codes "
                         "with a float32 scale per token and KV head (3.8x the tokens of float32 pages in the "

@@ -70,9 +70,20 @@ def choose_strategy(codes: str, platform: str, weights_only_checkpoint: bool = F
 
 
 def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | None,
-                        platform: str | None = None) -> LinearQuantization | None:
-    """What the linear layers become. `requested`: `--quantization` (None: follow the checkpoint)."""
+                        platform: str | None = None, strategy: str | None = None) -> LinearQuantization | None:
+    """What the linear layers become. `requested`: `--quantization` (None: follow the checkpoint);
+    `strategy`: `--quantization-strategy` (None: the backend's choice)."""
     platform = (platform or jax.default_backend()).lower()
+    spec = _linear_quantization(requested, ckpt, platform)
+    if spec is None or strategy is None:
+        return spec
+    if strategy == "dynamic_int8" and spec.codes == "fp8" or strategy == "dynamic_fp8" and spec.codes != "fp8":
+        raise ValueError(f"--quantization-strategy {strategy} cannot run {spec.codes} weights")
+    min_rows = 2 if platform == "cpu" and strategy == "dynamic_int8" else 1
+    return dataclasses.replace(spec, strategy=strategy, min_rows=min_rows)
+
+
+def _linear_quantization(requested, ckpt, platform) -> LinearQuantization | None:
     if ckpt is not None:
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
@@ -89,10 +100,10 @@ def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | No
 
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
-                      ckpt: CheckpointQuantization | None = None):
+                      ckpt: CheckpointQuantization | None = None, strategy: str | None = None):
     """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
     unchanged for float linear layers, else the config says how and the reader makes the layers."""
-    spec = linear_quantization(requested, ckpt)
+    spec = linear_quantization(requested, ckpt, strategy=strategy)
     if spec is None:
         return reader, config
     logger.info("linear layers: %s codes %s (%s), run %s%s", spec.codes,

@@ -38,17 +38,30 @@ class QuantizedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
         self.strategy = spec.strategy
         self.min_rows = spec.min_rows
+        self.act_block_size = activation_block(in_features, spec.act_block) if spec.strategy != "weight_only" else None
 
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.codes[...], self.scales[...], None if self.zeros is None else self.zeros[...])
 
     def project(self, x: jax.Array) -> jax.Array:
         """x @ W, without the bias."""
-        return quantized_linear(x, self.weight(), self.strategy, min_rows=self.min_rows)
+        return quantized_linear(x, self.weight(), self.strategy, min_rows=self.min_rows,
+                                act_block_size=self.act_block_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.project(x)
         return y if self.bias is None else y + self.bias[...]
+
+
+def activation_block(features: int, target: int | None) -> int | None:
+    """The block of input features an activation scale covers: `target` where it divides them, else the
+    largest divisor between target / 2 and 2 x target (stories260K's 172 features: 43), else one per row."""
+    if target is None or features <= target:
+        return None
+    fitting = [d for d in range(target // 2, min(2 * target, features - 1) + 1) if features % d == 0]
+    if target in fitting:
+        return target
+    return max(fitting) if fitting else None
 
 
 def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
