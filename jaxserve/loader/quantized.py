@@ -28,9 +28,9 @@ from jaxserve.config import LinearQuantization, ModelConfig
 from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
 from jaxserve.loader.tree import ParamPath
+from jaxserve.model.quantized_linear import CODE_DTYPES
 from jaxserve.quantization import QuantizedWeight, default_strategy, quantize_weight
 from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq, detect_checkpoint_quantization
-from jaxserve.model.quantized_linear import CODE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,14 @@ def _conform(qw: QuantizedWeight, spec: LinearQuantization, name: str) -> Quanti
     return qw
 
 
+def _host_device():
+    """Where a float kernel is quantized before its codes are placed: the CPU, unless JAX runs without it."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
 class QuantizedLinearReader(RegionReader):
     """`base`'s parameters, with each quantized linear layer's codes, scales and zeros made on the host:
     quantized from the float kernel `base` holds, or read by the checkpoint's format (`ckpt`)."""
@@ -152,7 +160,7 @@ class QuantizedLinearReader(RegionReader):
         else:
             kernel = np.empty(shape, np.float32)
             self.base.reader(prefix + ("kernel",), shape)(tuple(slice(0, n) for n in shape), kernel)
-            with jax.default_device(jax.devices("cpu")[0]):
+            with jax.default_device(_host_device()):
                 qw = jax.tree.map(np.asarray, quantize_weight(kernel, self.spec.codes, self.spec.block_size))
         if tuple(qw.codes.shape) != tuple(shape):
             raise ValueError(f"{'/'.join(prefix)}: stored weight is {qw.codes.shape} ([in, out]), the config "
