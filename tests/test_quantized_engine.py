@@ -5,7 +5,8 @@ other test uses, shared by the tests of this module:
 1. the greedy continuation of the documented story with quantized pages against float pages (measured:
    int8 agrees with float32 on 95 tokens of 100, fp8 on 48, 13 short of the end of the documented story);
 2. a workload under page pressure (preemption) with shared prompt prefixes (prefix cache): every request
-   gives the tokens it gives alone, nothing compiles after warm-up, every page comes back.
+   gives the tokens it gives alone, nothing compiles after warm-up, every page comes back (also with int8
+   weights on top of int8 pages).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ ENGINE_ARGS = dict(max_num_seqs=4, page_size=4, max_model_len=96, num_pages=40, 
 
 @pytest.fixture(scope="module")
 def engines(stories_dir):
-    return {kv: LLM(str(stories_dir), kv_cache_dtype=kv, **ENGINE_ARGS) for kv in ("auto", "int8", "fp8")}
+    engines = {kv: LLM(str(stories_dir), kv_cache_dtype=kv, **ENGINE_ARGS) for kv in ("auto", "int8", "fp8")}
+    # Everything quantized: int8 weights (quantized at load, dynamic int8) and int8 pages.
+    engines["w8+int8"] = LLM(str(stories_dir), kv_cache_dtype="int8", quantization="int8", **ENGINE_ARGS)
+    return engines
 
 
 def greedy(llm, prompts, max_tokens):
@@ -42,6 +46,10 @@ def test_quantized_pages_are_int8_or_fp8_with_a_scale_per_token_and_head(engines
     # stories260K: 4 KV heads of 8: int8 pages cost (8 + 4) bytes per token and head against float32's 32.
     float_bytes = engines["auto"].engine.runner.kv_cache.num_bytes
     assert cache.num_bytes * 32 == float_bytes * 12
+    precision = engines["int8"].engine.precision  # what the startup log and /metrics report
+    assert precision.kv_cache == "int8" and precision.kv_cache_bytes == cache.num_bytes
+    assert precision.kv_token_bytes == 5 * 2 * 4 * (8 + 4) and precision.linear_codes is None
+    assert "KV cache int8 (480 bytes a token)" in precision.describe()
 
 
 def test_greedy_story_continuation_with_quantized_pages(engines, story_text):
@@ -56,7 +64,7 @@ def test_greedy_story_continuation_with_quantized_pages(engines, story_text):
     assert agree["fp8"] >= 40, agree
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "w8+int8"])
 def test_prefix_cache_and_preemption_keep_working(engines, kv, story_text):
     llm = engines[kv]
     engine = llm.engine

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -63,6 +64,9 @@ def test_pre_quantized_fixture_matches_its_golden_logits(name, key, strategy, ma
     llm = LLM(str(served_copy(name, tmp_path)), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
     spec = llm.engine.model_config.linear_quantization
     assert spec is not None and spec.strategy == strategy
+    precision = llm.engine.precision
+    assert (precision.linear_codes, precision.linear_strategy) == (spec.codes, strategy)
+    assert spec.source.split()[0] in precision.describe()  # the format's summary is in the startup log
     bench = Workbench(llm)
     seq = bench.new_sequence(len(ids))
     logits = bench.step([(seq, ids)]).logits[0]
@@ -74,6 +78,20 @@ def test_pre_quantized_fixture_matches_its_golden_logits(name, key, strategy, ma
         prompt = int(golden["prompt_len"])
         assert logits[prompt - 1:-1].argmax(-1).tolist() == ids[prompt:]
     assert llm.engine.compilations_since_warmup <= 1  # the one step with every row's logits
+
+
+def test_dtype_warnings_say_what_differs_from_what_was_asked():
+    from jaxserve.config import LinearQuantization, ModelConfig
+    from jaxserve.engine.precision import dtype_warnings
+    config = ModelConfig.from_pretrained(FIXTURES / "awq_int4")  # stores float32
+    assert dtype_warnings("auto", None, config, np.float32, "cpu") == []
+    assert "stores float32 weights, converted to bfloat16" in dtype_warnings("bfloat16", None, config, "bfloat16",
+                                                                             "cpu")[0]
+    awq = dataclasses.replace(config, linear_quantization=LinearQuantization("uint4", 32, source="AutoAWQ GEMM"))
+    assert "linear layers stay uint4" in dtype_warnings("bfloat16", None, awq, "bfloat16", "gpu")[0]
+    fp8 = dataclasses.replace(config, linear_quantization=LinearQuantization("fp8"))
+    assert "--quantization int8 is the fast option" in dtype_warnings("auto", "fp8", fp8, np.float32, "cpu")[0]
+    assert dtype_warnings("auto", "fp8", fp8, np.float32, "gpu") == []
 
 
 def test_unsupported_format_is_refused_by_name(tmp_path):
