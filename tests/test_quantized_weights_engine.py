@@ -94,6 +94,13 @@ def test_dtype_warnings_say_what_differs_from_what_was_asked():
     assert dtype_warnings("auto", "fp8", fp8, np.float32, "gpu") == []
 
 
+def test_convert_refuses_a_pre_quantized_checkpoint(tmp_path):
+    from jaxserve.loader.convert import convert
+    with pytest.raises(ValueError, match="pre-quantized checkpoint .*AutoAWQ"):
+        convert(FIXTURES / "awq_int4", tmp_path / "out", format="mapped")
+    assert not (tmp_path / "out").exists()
+
+
 def test_unsupported_format_is_refused_by_name(tmp_path):
     def bitsandbytes(config):
         config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
