@@ -17,6 +17,9 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    --e2e-layers 8 it is a quarter of the layers' bytes, not an extrapolation to 32.
 4. Prefill (`E2EModel.prefill`): one 2048-token prompt on the idle engine (one step), tokens/s and useful
    TFLOP/s.
+5. Quantized variants (issue 27): `--e2e-quantization int8|fp8` (linear layers quantized at load; on a GPU
+   int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores) and `--e2e-kv-cache-dtype int8|fp8`; the
+   byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class E2EModel:
         self.config = c = e2e_config(args, args.e2e_layers, args.e2e_vocab, max_len)
         engine_args = EngineArgs(max_num_seqs=batches[-1], max_model_len=max_len, page_size=page,
                                  max_num_batched_tokens=budget, token_buckets=tuple(sorted(set(batches) | {budget})),
-                                 attention_backend=e2e_backend())
+                                 attention_backend=e2e_backend(), quantization=args.e2e_quantization,
+                                 kv_cache_dtype=args.e2e_kv_cache_dtype)
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
         jax.block_until_ready(built.model.params)
@@ -177,10 +181,12 @@ class E2EModel:
         self.backend = built.attention.name
         self.warmup_s = self.engine.warmup()
         item = self.dtype.itemsize
-        self.param_bytes = built.model.num_bytes  # the measured model's, whatever --e2e-layers says
+        precision = self.engine.precision  # int8 / fp8 weights and pages count their own bytes (scales too)
+        self.param_bytes = precision.weight_bytes  # the measured model's, whatever --e2e-layers says
         self.embed_bytes = c.vocab_size * c.hidden_size * item  # gathered, not read whole (untied head)
-        self.layer_params = self.param_bytes // item - 2 * c.vocab_size * c.hidden_size - c.hidden_size
-        self.kv_bytes_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * item
+        elements = sum(a.size for a in jax.tree.leaves(built.model.params))  # codes: one per weight
+        self.layer_params = elements - 2 * c.vocab_size * c.hidden_size - c.hidden_size
+        self.kv_bytes_per_token = precision.kv_token_bytes
         self.kv_cache_bytes = self.engine.runner.kv_cache.num_bytes
         self.rng = np.random.default_rng(1)
 
@@ -310,7 +316,9 @@ def run_e2e(args, rows: list, checks: list) -> None:
                     layers=c.num_layers, backend=m.backend, build_s=m.build_s, warmup_s=m.warmup_s,
                     max_model_len=c.max_position_embeddings, buckets=list(m.engine.runner.layouts))
 
-    guarded(rows, "e2e model", f"{args.e2e_layers}L {args.e2e_dtype} build+compile", build)
+    precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
+        f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "")
+    guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 
     def need_model():
         if "m" not in model:
@@ -339,6 +347,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-vocab", type=int, default=128256)
     e2e.add_argument("--e2e-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     e2e.add_argument("--e2e-page-size", type=int, default=16)
+    e2e.add_argument("--e2e-quantization", choices=["int8", "fp8"], default=None,
+                     help="quantize the timed model's linear layers at load (issue 27; default: --e2e-dtype)")
+    e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                     help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
                      help="running sequences of each decode row")

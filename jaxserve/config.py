@@ -18,6 +18,36 @@ from typing import Any
 from jaxserve.config_families import FULL, SLIDING, family_fields, text_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+# `--kv-cache-dtype`: "auto" keeps float pages of the model's dtype; int8 / fp8 (e4m3) pages carry a float32
+# scale per token and KV head (pallas_kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# `--quantization`: quantize a float checkpoint's linear layers at load (a pre-quantized one is detected).
+QUANTIZATION_METHODS = ("none", "int8", "fp8")
+LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 with zero points
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearQuantization:
+    """How the decoder layers' linear layers are stored and run (embeddings, norms, LM head stay float).
+
+    Part of `ModelConfig`, so the model's graph, the step programs and their cache key all follow it."""
+    codes: str  # one of LINEAR_CODE_DTYPES
+    block_size: int | None = None  # input rows per scale; None: one scale per output channel
+    strategy: str = "weight_only"  # how a step multiplies (jaxserve.quantization.STRATEGIES)
+    min_rows: int = 1  # smaller batches are padded to this many rows (the CPU's integer GEMM starts at 2)
+    # Dynamic strategies: activation scales per row and block of about this many input features (None: per row)
+    act_block: int | None = None
+    source: str = "quantized at load"  # where the codes come from, for the log: or the checkpoint's format
+
+    def __post_init__(self):
+        if self.codes not in LINEAR_CODE_DTYPES:
+            raise ValueError(f"linear weight codes must be one of {LINEAR_CODE_DTYPES}, got {self.codes!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def has_zeros(self) -> bool:
+        return self.codes == "uint4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +89,7 @@ class ModelConfig:
     # False for a pooling runner: it stops at the final norm, so an untied LM head is neither loaded nor
     # required (embedding checkpoints saved as the bare decoder have none).
     has_lm_head: bool = True
+    linear_quantization: LinearQuantization | None = None  # None: float linear layers (set by the loader)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -171,8 +202,11 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 512  # page 0 included (reserved null page)
     enable_prefix_caching: bool = True  # keep full pages after a request ends and reuse them by content
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages < 2:

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.config import validate_scheduling_options
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, validate_scheduling_options
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -35,6 +35,13 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for the KV cache (instead of num_pages)
     gpu_memory_utilization: float | None = None  # fraction of device memory free after the weights
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
+    kv_cache_dtype: str = "auto"  # KV pages: "auto" (the model's dtype), "int8" or "fp8" (e4m3), scaled per token
+    # Linear layers: "int8" / "fp8" quantize a float checkpoint at load (per output channel); None follows
+    # the checkpoint (a pre-quantized one stays quantized); "none" insists on float weights.
+    quantization: str | None = None
+    # How quantized linear layers run: None picks per backend (docs/quantization.md); "weight_only" keeps
+    # float activations (more accurate, slow on CPU), "dynamic_int8" / "dynamic_fp8" quantize them per token.
+    quantization_strategy: str | None = None
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt
@@ -72,6 +79,10 @@ class EngineArgs:
             raise ValueError(f"num_pages must be at least 2 (page 0 is reserved), got {self.num_pages}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,

@@ -88,8 +88,22 @@ def _engine_state(async_engine: AsyncEngine):
     if ready:
         programs.add_metric(["ready"], len(engine.runner.ready_buckets))
         programs.add_metric(["total"], len(engine.runner.layouts))
+    precision = GaugeMetricFamily("jaxserve:model_precision_info", "What the weights and the KV cache are stored "
+                                  "in (1 per part): dtype, and for quantized linear layers their codes and "
+                                  "strategy", labels=["part", "dtype", "strategy"])
+    memory = GaugeMetricFamily("jaxserve:model_memory_bytes", "Bytes on the devices: weights (4-bit codes at half "
+                               "a byte) and the KV cache (pages and scales)", labels=["part"])
+    if ready:
+        p = engine.precision
+        precision.add_metric(["weights", p.weights, "float"], 1)
+        if p.linear_codes:
+            precision.add_metric(["linear_layers", p.linear_codes, p.linear_strategy], 1)
+        precision.add_metric(["kv_cache", p.kv_cache, "per_token_scales" if p.kv_cache in ("int8", "float8_e4m3fn")
+                              else "float"], 1)
+        memory.add_metric(["weights"], p.weight_bytes)
+        memory.add_metric(["kv_cache"], p.kv_cache_bytes)
     return (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
-            startup, programs)
+            startup, programs, precision, memory)
 
 
 class _Exporter:

@@ -6,7 +6,9 @@
    are row-parallel (their input dimension is split, so each device holds a partial sum that the model
    all-reduces), the embedding and LM head are split over the vocabulary. Stacked MoE experts split each
    expert's intermediate size (`expert_mlp`) like the dense MLP, or, with expert parallelism, the
-   experts axis (`EXPERT_PARALLEL_AXES`).
+   experts axis (`EXPERT_PARALLEL_AXES`). Quantized linear layers' codes follow their float kernel; their
+   scales and zero points [blocks, out] follow it on `out`, and a row-parallel layer's blocks of input rows
+   split with the rows (one block, per channel, is replicated).
 2. `LOGICAL_TO_MESH` maps those names to mesh axes: everything tensor-parallel uses the whole tensor
    group, except KV heads, which use only the `tensor` axis and so are replicated over `kv_replica`.
 3. `param_layout` turns a parameter's path and shape into its padded shape and PartitionSpec on a stage's
@@ -31,15 +33,17 @@ from sharding.mesh import PIPELINE, TENSOR, TP_AXES
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^embed_tokens/embedding$", ("vocab", None)),
     (r"^lm_head/kernel$", (None, "vocab")),
-    (r"/self_attn/q_proj/kernel$", (None, "heads")),
+    (r"/self_attn/q_proj/(kernel|codes|scales|zeros)$", (None, "heads")),
     (r"/self_attn/q_proj/bias$", ("heads",)),
-    (r"/self_attn/[kv]_proj/kernel$", (None, "kv_heads")),
+    (r"/self_attn/[kv]_proj/(kernel|codes|scales|zeros)$", (None, "kv_heads")),
     (r"/self_attn/[kv]_proj/bias$", ("kv_heads",)),
-    (r"/self_attn/o_proj/kernel$", ("heads", None)),
+    (r"/self_attn/o_proj/(kernel|codes)$", ("heads", None)),
+    (r"/self_attn/o_proj/(scales|zeros)$", ("heads_blocks", None)),
     (r"/self_attn/o_proj/bias$", (None,)),  # added once, after the all-reduce
-    (r"/mlp/(gate|up)_proj/kernel$", (None, "mlp")),
+    (r"/mlp/(gate|up)_proj/(kernel|codes|scales|zeros)$", (None, "mlp")),
     (r"/mlp/(gate|up)_proj/bias$", ("mlp",)),
-    (r"/mlp/down_proj/kernel$", ("mlp", None)),
+    (r"/mlp/down_proj/(kernel|codes)$", ("mlp", None)),
+    (r"/mlp/down_proj/(scales|zeros)$", ("mlp_blocks", None)),
     (r"/mlp/down_proj/bias$", (None,)),
     (r"norm/weight$", (None,)),  # RMSNorm weights (input, post-attention, final, q/k norms)
     # Mixtures of experts: the router is replicated; each expert's MLP splits like the dense one.
@@ -54,6 +58,10 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {
     "mlp": TP_AXES,
     "expert_mlp": TP_AXES,
     "kv_heads": TENSOR,
+    # Quantized row-parallel layers: their scales' blocks of input rows split with the rows (per-channel
+    # scales, one block, are replicated: every shard's partial product is scaled by all of them).
+    "heads_blocks": TP_AXES,
+    "mlp_blocks": TP_AXES,
 }
 
 # `--enable-expert-parallel` (vLLM's flag): each device of the tensor group holds whole experts (E / tp of
@@ -61,6 +69,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {
 EXPERT_PARALLEL_AXES: dict[str, str | tuple[str, ...] | None] = {"experts": TP_AXES, "expert_mlp": None}
 
 PADDABLE = frozenset({"vocab", "mlp", "expert_mlp"})  # zero padding along these is exact
+BLOCK_AXES = frozenset({"heads_blocks", "mlp_blocks"})  # scale blocks: one block stays whole
 
 # KV cache pages per layer: [num_kv_heads, num_pages, page_size, head_dim].
 KV_CACHE_AXES = ("kv_heads", None, None, None)
@@ -106,7 +115,10 @@ def param_layout(path: tuple, shape: tuple[int, ...], mesh_shape: dict[str, int]
     for dim, axis in zip(shape, logical_axes(path, len(shape))):
         mesh_axes = axis_map.get(axis) if axis else None
         n = axis_size(mesh_axes, mesh_shape) if mesh_axes else 1
-        if dim % n == 0:
+        if axis in BLOCK_AXES and dim == 1:
+            padded.append(dim)
+            spec.append(None)
+        elif dim % n == 0:
             padded.append(dim)
             spec.append(mesh_axes if n > 1 else None)
         elif axis in PADDABLE and pad:
@@ -139,3 +151,8 @@ def kv_cache_spec() -> P:
     stage's KV heads split over `tensor` (so replicated over `kv_replica`)."""
     assert KV_CACHE_AXES[0] == "kv_heads" and LOGICAL_TO_MESH["kv_heads"] == TENSOR
     return P((PIPELINE, TENSOR), None, None, None)
+
+
+def kv_scales_spec() -> P:
+    """Per-slot scales of quantized KV pages [pp * num_kv_heads, pages, page_size]: split like the pages."""
+    return P(*kv_cache_spec()[:3])

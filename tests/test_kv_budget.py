@@ -27,6 +27,26 @@ def budget(config, **kw):
 def test_page_bytes(config):
     assert page_bytes(config, 4, jnp.float32) == PAGE_BYTES
     assert page_bytes(config, 16, jnp.bfloat16) == PAGE_BYTES * 4 // 2
+    # int8 / fp8 pages: a byte per element plus a float32 scale per token and KV head, 2 * 5 * 4 * 4 * (8 + 4)
+    assert page_bytes(config, 4, jnp.int8) == page_bytes(config, 4, jnp.float8_e4m3fn) == 1920
+
+
+def test_quantized_pages_hold_more_tokens_in_the_same_memory(config):
+    memory = PAGE_BYTES * 40
+    pages = {dtype: resolve_kv_budget(config, dtype, page_size=4, max_model_len=64, max_num_seqs=4,
+                                      kv_cache_memory=memory).num_pages for dtype in (jnp.float32, jnp.int8)}
+    assert pages == {jnp.float32: 40, jnp.int8: memory // 1920}  # 106 pages: 2.7x the tokens
+
+
+def test_kv_cache_dtype_flag(stories_dir):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8"):
+        EngineArgs(kv_cache_dtype="fp16")
 
 
 def test_kv_cache_memory_sizes_the_pool_and_matches_the_device_arrays(stories_dir, caplog):

@@ -95,8 +95,13 @@ def test_weight_only_equals_the_dequantized_matmul(name):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def _numpy_dynamic(x: np.ndarray, qw: QuantizedWeight, act: str) -> np.ndarray:
-    """Per-row activation quantization as vLLM does it, then the float64 product with the dequantized W."""
+def _numpy_dynamic(x: np.ndarray, qw: QuantizedWeight, act: str, block: int | None = None) -> np.ndarray:
+    """Per-row activation quantization as vLLM does it (or per row and block of `block` features, as
+    llama.cpp's Q8_0 does per 32), then the float64 product with the dequantized W."""
+    if block is not None:
+        rows, features = x.shape
+        xq = _numpy_dynamic(x.reshape(rows * features // block, block), None, act).reshape(rows, features)
+        return xq @ np.asarray(dequantize_weight(qw), np.float64)
     absmax = np.abs(x).max(axis=1, keepdims=True)
     if act == "int8":
         codes = np.clip(np.round(x * (127 / absmax)), -127, 127)  # np.round is half-to-even too
@@ -104,7 +109,23 @@ def _numpy_dynamic(x: np.ndarray, qw: QuantizedWeight, act: str) -> np.ndarray:
     else:
         codes = np.clip(x * (448 / absmax), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
         xq = codes * absmax / 448
-    return xq @ np.asarray(dequantize_weight(qw), np.float64)
+    return xq if qw is None else xq @ np.asarray(dequantize_weight(qw), np.float64)
+
+
+@pytest.mark.parametrize("name", ["int8-channel", "int8-block", "fp8-channel"])
+def test_dynamic_with_activation_blocks_matches_per_block_quantization(name):
+    qw = WEIGHTS[name]
+    act = "fp8" if name.startswith("fp8") else "int8"
+    block = 128 // qw.scales.shape[0] if qw.scales.shape[0] > 1 else 32  # block weights: the same blocks
+    got = np.asarray(quantized_linear(jnp.asarray(X), qw, f"dynamic_{act}", act_block_size=block))
+    want = _numpy_dynamic(X, qw, act, block)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # Finer activation scales are closer to the float product than one scale per row.
+    per_row = np.asarray(quantized_linear(jnp.asarray(X), qw, f"dynamic_{act}"))
+    exact = X @ np.asarray(dequantize_weight(qw), np.float64)
+    assert np.abs(got - exact).mean() < np.abs(per_row - exact).mean()
+    with pytest.raises(ValueError, match="does not divide"):
+        quantized_linear(jnp.asarray(X), qw, f"dynamic_{act}", act_block_size=48)
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(WEIGHTS) if not n.startswith("fp8")])

@@ -297,3 +297,14 @@ def test_metrics_report_each_startup_phase(server):
     programs = {line.split('state="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                 for line in text.splitlines() if line.startswith("jaxserve:step_programs{")}
     assert programs["ready"] == programs["total"] > 1
+
+
+def test_metrics_report_the_precision_and_bytes_of_weights_and_kv_cache(server):
+    base, _ = server
+    lines = httpx.get(f"{base}/metrics").text.splitlines()
+    info = [line for line in lines if line.startswith("jaxserve:model_precision_info{")]
+    assert any('part="weights"' in line and 'dtype="float32"' in line for line in info), info
+    assert any('part="kv_cache"' in line and 'dtype="float32"' in line for line in info), info
+    memory = {line.split('part="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in lines if line.startswith("jaxserve:model_memory_bytes{")}
+    assert memory["weights"] > 0 and memory["kv_cache"] > 0

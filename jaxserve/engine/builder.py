@@ -21,16 +21,19 @@ from pathlib import Path
 import jax
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel
+from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
 from jaxserve.text.tokenizer import Tokenizer
 from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
+from pallas_kernels.kv_quant import kv_quant_dtype
 from sharding import make_plan
 from sharding.multihost import initialize as initialize_distributed
 
@@ -94,6 +97,10 @@ def build_model(args: EngineArgs) -> BuiltModel:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
     reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
+    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
+                                       args.quantization_strategy)
+    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
+        logger.warning("%s", warning)
     model = load_weights(reader, config, dtype, plan)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)
@@ -105,7 +112,9 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
                       dtype) -> BuiltModel:
     """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
     shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
-    model = load_weights(ModuleReader(module), config, dtype, _mesh_plan(args, config))
+    reader, config = quantized_loading(ModuleReader(module), config, args.quantization,
+                                       strategy=args.quantization_strategy)
+    model = load_weights(reader, config, dtype, _mesh_plan(args, config))
     return _finish_build(args, name, model, config, tokenizer, dtype)
 
 
@@ -137,13 +146,14 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.
-    budget = resolve_kv_budget(config, dtype, page_size=args.page_size, max_model_len=max_model_len,
+    budget = resolve_kv_budget(config, kv_quant_dtype(args.kv_cache_dtype) or dtype, page_size=args.page_size, max_model_len=max_model_len,
                                max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
                                kv_cache_memory=args.kv_cache_memory,
                                gpu_memory_utilization=args.gpu_memory_utilization)
     return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
                       tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
                       cache_config=CacheConfig(page_size=args.page_size, num_pages=budget.num_pages,
-                                               enable_prefix_caching=args.enable_prefix_caching),
+                                               enable_prefix_caching=args.enable_prefix_caching,
+                                               kv_cache_dtype=args.kv_cache_dtype),
                       sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
                                                    max_logit_bias=args.max_logit_bias))

@@ -30,10 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
+from jaxserve.engine.precision import Precision
 from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
+from jaxserve.execution.kv_budget import page_bytes
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
 from jaxserve.outputs import RequestOutput
@@ -95,6 +97,10 @@ class Engine:
                     self.runner.kv_abstract.num_bytes / 1e6,
                     "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
+        self.precision = Precision.of(built.model_config, built.dtype, built.model.params, self.runner.kv_abstract,
+                                      page_bytes(built.model_config, 1, self.runner.kv_abstract.k[0].dtype),
+                                      built.attention.name)
+        logger.info("%s", self.precision.describe())
         self.startup_seconds["kv_cache"] = time.perf_counter() - started - built.weights_seconds
 
     # ---- warm-up, compile accounting, the caller's calls ------------------------------------------------

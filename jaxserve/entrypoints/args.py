@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from jaxserve.engine_args import EngineArgs
 
 
@@ -37,6 +38,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="reuse the KV pages of prompt prefixes seen before (the default)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="recompute every prompt from its first token")
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="quantize a float checkpoint's linear layers at load, per output channel (embeddings, "
+                        "norms and the LM head stay float); a pre-quantized checkpoint (compressed-tensors "
+                        "int8 / fp8, AWQ, GPTQ) is detected without it, and a value that disagrees with it is "
+                        "an error")
+    g.add_argument("--quantization-strategy", default=None,
+                   choices=["weight_only", "dynamic_int8", "dynamic_fp8"],
+                   help="how quantized linear layers run (default: the fastest for the backend, see "
+                        "docs/quantization.md); weight_only keeps float activations")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV page precision: 'auto' keeps the model's dtype; 'int8' and 'fp8' (e4m3) store codes "
+                        "with a float32 scale per token and KV head (3.8x the tokens of float32 pages in the "
+                        "same memory at head_dim 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step: a token per running sequence plus prefill chunks "
                         "(default: 512 on CPU, 2048 on GPU/TPU)")

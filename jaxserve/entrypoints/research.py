@@ -22,8 +22,10 @@ import dataclasses
 import numpy as np
 
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.model.kv_cache import QuantizedPages
 from jaxserve.scheduling.pages import pages_needed
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+from pallas_kernels.kv_quant import dequantize_kv
 
 
 @dataclasses.dataclass
@@ -69,6 +71,13 @@ class TokenScores:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _rows(pages, page_ids, offsets) -> np.ndarray:
+    """[kv_heads, tokens, head_dim] of a layer's pages at (page, offset) pairs; int8 / fp8 pages dequantized."""
+    if isinstance(pages, QuantizedPages):
+        return np.asarray(dequantize_kv(pages.codes[:, page_ids, offsets], pages.scales[:, page_ids, offsets]))
+    return np.asarray(pages[:, page_ids, offsets])
 
 
 class Workbench:
@@ -124,7 +133,7 @@ class Workbench:
         page_ids, offsets = np.asarray(seq.pages)[positions // self.page_size], positions % self.page_size
         # Gathered on the device ([kv_heads, pages, page_size, head_dim] per layer): only the sequence's rows
         # come to the host, not the layer's whole page pool.
-        return tuple(np.asarray(pool[layer][:, page_ids, offsets]).transpose(1, 0, 2) for pool in (cache.k, cache.v))
+        return tuple(_rows(pool[layer], page_ids, offsets).transpose(1, 0, 2) for pool in (cache.k, cache.v))
 
     def page_map(self, seq: Sequence) -> list[tuple[int, int]]:
         """(page id, tokens of the sequence it holds) for each of the sequence's pages."""

@@ -31,14 +31,15 @@ from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import StepCompiler, WarmupReport, abstract
 from jaxserve.execution.step_program import StepResults, jit_step
 from jaxserve.loader.placement import ShardedModel
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, QuantizedPages
 from jaxserve.sampling.logits import SamplerState
 from jaxserve.scheduling.pages import pages_needed
 from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, StepPlan
 from pallas_kernels.dispatch import AttentionBackend
 from sharding import MeshPlan
 from sharding.loading import zeros
-from sharding.rules import kv_cache_spec
+from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype
+from sharding.rules import kv_cache_spec, kv_scales_spec
 
 
 @dataclasses.dataclass
@@ -123,10 +124,15 @@ class ModelRunner:
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
 
     def _abstract_kv_cache(self) -> KVCache:
-        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim], as shapes and shardings."""
+        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim] (quantized: codes and
+        scales [pp * num_kv_heads, num_pages, page_size]), as shapes and shardings."""
         c, plan = self.model_config, self.plan
         shape = (plan.pp * c.num_kv_heads, self.cache_config.num_pages, self.cache_config.page_size, c.head_dim)
-        pages = jax.ShapeDtypeStruct(shape, self.dtype, sharding=plan.sharding(kv_cache_spec()))
+        page_dtype = kv_quant_dtype(self.cache_config.kv_cache_dtype)
+        pages = jax.ShapeDtypeStruct(shape, page_dtype or self.dtype, sharding=plan.sharding(kv_cache_spec()))
+        if page_dtype is not None:
+            scales = jax.ShapeDtypeStruct(shape[:3], SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
+            pages = QuantizedPages(pages, scales)
         return KVCache(k=[pages] * plan.layers_per_stage, v=[pages] * plan.layers_per_stage)
 
     def _new_kv_cache(self) -> KVCache:

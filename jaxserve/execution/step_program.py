@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, attention_operands
 from jaxserve.pooling.device import pool_rows
 from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
 from jaxserve.sampling.sampler import sample
@@ -117,7 +117,8 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
         def attend(q, k_pages, v_pages, **scoring):
             # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap).
             scoring = dict(sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window) | scoring
-            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens, **scoring)
+            k_pages, v_pages, scales = attention_operands(k_pages, v_pages)  # quantized pages: + their scales
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens, **scoring, **scales)
 
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
 

@@ -22,6 +22,7 @@ from jaxserve.loader.formats import mark_converted
 from jaxserve.loader.mapped import write_mapped
 from jaxserve.loader.orbax import PARAMS_DIR, save_orbax
 from jaxserve.loader.placement import param_entries
+from jaxserve.loader.quantized import checkpoint_quantization
 from jaxserve.loader.safetensors import SafetensorsReader
 from sharding import ParallelConfig, make_plan
 
@@ -32,6 +33,10 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
             parallel: ParallelConfig | None = None, format: str = "orbax") -> Path:
     """Hugging Face directory -> an Orbax or a mapped checkpoint directory (see the module docstring)."""
     config = ModelConfig.from_pretrained(model_dir)
+    quantized = checkpoint_quantization(model_dir)
+    if quantized is not None:  # its codes would be read as float weights, without their scales
+        raise ValueError(f"{model_dir} is a pre-quantized checkpoint ({quantized.summary}): the converted formats "
+                         f"do not store quantized tensors yet; serve the Hugging Face directory itself")
     # Keep the checkpoint's own precision unless asked otherwise (`auto` here does not mean "f32 on CPU").
     name = str(config.torch_dtype).removeprefix("torch.") if dtype_request == "auto" else dtype_request
     if name not in DTYPES:

@@ -214,6 +214,16 @@ class SafetensorsReader(RegionReader):
             # The bare decoder's checkpoint (`AutoModel`, as sentence-transformers saves embedding models)
             # names its tensors without the causal-LM wrapper's `model.` prefix.
             name = name[len("model."):]
+        return name, transpose, self._file_of(name)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A whole tensor by its checkpoint name, as stored (a read-only view of the mapping): what the
+        quantized-checkpoint formats' `read_linear` reads. KeyError when the checkpoint lacks it."""
+        if name not in self.files:
+            raise KeyError(name)
+        return self._file_of(name).view(name)
+
+    def _file_of(self, name: str) -> SafetensorsFile:
         if name not in self.files:
             raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
         file = self.files[name]
@@ -222,7 +232,7 @@ class SafetensorsReader(RegionReader):
                 self._open[file] = SafetensorsFile(file)
         if name not in self._open[file].tensors:
             raise ValueError(f"{file} does not hold tensor {name!r} (its index says it does)")
-        return name, transpose, self._open[file]
+        return self._open[file]
 
     def reader(self, path: tuple, shape: tuple[int, ...]):
         """A function (index, out) that fills `out` with the region `index` of the parameter at `path`

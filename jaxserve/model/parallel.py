@@ -35,6 +35,9 @@ def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis) -> jax.Array:
     if axis is None:
         return linear(x)
     bias = linear.bias[...] if linear.bias is not None else None
+    if hasattr(linear, "project"):  # a QuantizedLinear: each shard quantizes its own slice of x
+        y = jax.lax.psum(linear.project(x), axis)
+        return y if bias is None else y + bias
     x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
     y = linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
     y = jax.lax.psum(y, axis)

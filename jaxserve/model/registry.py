@@ -1,8 +1,9 @@
 """Architecture registry, keyed by the `model_type` of a Hugging Face config.json.
 
 `model_class` picks the NNX module of a config; `abstract_model` builds it as shapes only (every
-parameter's path, shape and dtype, no memory), which is what loading plans from; `random_model` builds it
-with deterministic random weights (the built-in demo model, tests, benchmarks).
+parameter's path, shape and dtype, no memory; quantized linear layers where the config says), which is
+what loading plans from; `random_model` builds it with deterministic random float weights (the built-in
+demo model, tests, benchmarks), which `--quantization` then quantizes as it loads them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from jaxserve.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxserve.model.gemma import GemmaForCausalLM
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.moe import MoEForCausalLM
+from jaxserve.model.quantized_linear import quantize_linears
 
 # The Llama family's types are variants of one decoder; a new family adds a class and rows here.
 MODEL_REGISTRY = {model_type: LlamaForCausalLM for model_type in SUPPORTED_MODEL_TYPES}
@@ -30,9 +32,15 @@ def model_class(config: ModelConfig):
 
 
 def abstract_model(config: ModelConfig, dtype) -> nnx.Module:
-    """The model as shapes and dtypes only (`nnx.eval_shape`: no memory, no random init)."""
+    """The model as shapes and dtypes only (`nnx.eval_shape`: no memory, no random init); with
+    `config.linear_quantization`, its decoder layers' linear layers are quantized ones."""
     cls = model_class(config)
-    return nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+    def build():
+        model = cls(config, dtype=dtype, rngs=nnx.Rngs(0))
+        return model if config.linear_quantization is None else quantize_linears(model, config.linear_quantization)
+
+    return nnx.eval_shape(build)
 
 
 def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> nnx.Module:

@@ -127,6 +127,7 @@ class AutoAWQ(CheckpointQuantization):
 class Gptq(CheckpointQuantization):
     group_size: int = 128
     zero_offset: int = 1  # v1 ("gptq") stores zero - 1; v2 stores the zero itself
+    symmetric: bool = True  # every zero point 8: read as signed int4 codes without zeros
 
     def tensor_names(self, prefix):
         return (f"{prefix}.qweight", f"{prefix}.qzeros", f"{prefix}.scales", f"{prefix}.g_idx")
@@ -227,7 +228,7 @@ def _gptq(qc: dict) -> Gptq:
     sym = "symmetric" if qc.get("sym", True) else "zero points"
     return Gptq(method="gptq", weight_dtype="int4", activation_dtype=None,
                 summary=f"GPTQ ({fmt}) int4 weights, groups of {group}, {sym}", group_size=group,
-                zero_offset=1 if fmt == "gptq" else 0)
+                zero_offset=1 if fmt == "gptq" else 0, symmetric=bool(qc.get("sym", True)))
 
 
 # Older exports keep the settings beside config.json instead of in it: AutoGPTQ's quantize_config.json

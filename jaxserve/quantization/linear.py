@@ -75,19 +75,41 @@ def _weight_only(x, qw: QuantizedWeight):
     return y
 
 
-def _dynamic(x, qw: QuantizedWeight, act_dtype):
+def _dynamic(x, qw: QuantizedWeight, act_dtype, act_blocks: int = 1):
     x = x.astype(jnp.float32)
-    codes_x, row_scale = symmetric_codes(x, jnp.max(jnp.abs(x), axis=-1, keepdims=True), QMAX[act_dtype], act_dtype)
     accumulate = jnp.int32 if act_dtype == _INT8 else jnp.float32
     codes_w = qw.codes if qw.codes.dtype == act_dtype else qw.codes.astype(act_dtype)  # int4 -> int8 is exact
+    if act_blocks > 1:
+        return _dynamic_blocked(x, qw, codes_w, act_dtype, accumulate, act_blocks)
+    codes_x, row_scale = symmetric_codes(x, jnp.max(jnp.abs(x), axis=-1, keepdims=True), QMAX[act_dtype], act_dtype)
     y = _block_dot(codes_x, codes_w, qw.scales, accumulate)
     if qw.zeros is not None:
         y = y - _zero_correction(_row_sums(codes_x.astype(jnp.float32), qw.scales.shape[0]), qw)
     return y * row_scale
 
 
+def _dynamic_blocked(x, qw: QuantizedWeight, codes_w, act_dtype, accumulate, act_blocks: int):
+    """Activations quantized per row and block of input features (llama.cpp's Q8_0 x Q8_0 does it per 32):
+    an outlier feature costs resolution only in its own block. One partial product per block, each scaled
+    by its rows' block scales and the weight's scales of that block, then summed."""
+    rows, features = x.shape
+    weight_blocks = qw.scales.shape[0]
+    if qw.zeros is not None or weight_blocks not in (1, act_blocks):
+        raise ValueError(f"activation blocks ({act_blocks}) need per-channel weight scales or as many weight blocks "
+                         f"without zero points, got {weight_blocks} blocks")
+    xb = x.reshape(rows, act_blocks, features // act_blocks)
+    codes_x, x_scale = symmetric_codes(xb, jnp.max(jnp.abs(xb), axis=-1, keepdims=True), QMAX[act_dtype], act_dtype)
+    cb = codes_w.reshape(act_blocks, features // act_blocks, -1)
+    partial = lax.dot_general(codes_x.swapaxes(0, 1), cb, (((2,), (1,)), ((0,), (0,))),
+                              preferred_element_type=accumulate)  # [blocks, M, out]
+    scaled = partial.astype(jnp.float32) * x_scale[:, :, 0].T[:, :, None]
+    if weight_blocks == 1:
+        return scaled.sum(axis=0) * qw.scales
+    return jnp.einsum("bmo,bo->mo", scaled, qw.scales)
+
+
 def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_only", *,
-                     min_rows: int = 1) -> jax.Array:
+                     min_rows: int = 1, act_block_size: int | None = None) -> jax.Array:
     """x [..., in] @ W [in, out] -> [..., out] in x's dtype.
 
     Args:
@@ -95,6 +117,8 @@ def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_
       qw: the weight; `dynamic_int8` needs integer codes (int8, or int4 / uint4 converted exactly),
         `dynamic_fp8` fp8 codes.
       strategy: one of STRATEGIES (`default_strategy` picks one per backend).
+      act_block_size: dynamic strategies: one activation scale per row and block of this many input features
+        (it must divide them); None: one per row, vLLM's per-token quantization.
       min_rows: pad a batch of fewer rows with zero rows up to this many (static): XLA's CPU backend runs a
         one-row integer dot in slow generated code, a two-row one in its tuned GEMM.
     """
@@ -115,5 +139,8 @@ def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_
     if strategy == "weight_only":
         y = _weight_only(rows, qw)
     else:
-        y = _dynamic(rows, qw, _INT8 if strategy == "dynamic_int8" else _FP8)
+        act_blocks = 1 if act_block_size is None else features // act_block_size
+        if act_block_size is not None and features % act_block_size:
+            raise ValueError(f"act_block_size {act_block_size} does not divide {features} input features")
+        y = _dynamic(rows, qw, _INT8 if strategy == "dynamic_int8" else _FP8, act_blocks)
     return y[:real].astype(x.dtype).reshape(*lead, -1)

@@ -48,10 +48,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes on device: 4-bit arrays count half a byte an element (XLA packs them)."""
-        return sum(_device_bytes(a) for a in (self.codes, self.scales, self.zeros) if a is not None)
+        return sum(device_bytes(a) for a in (self.codes, self.scales, self.zeros) if a is not None)
 
 
-def _device_bytes(a) -> int:
+def device_bytes(a) -> int:
+    """Bytes of an array on device: 4-bit arrays count half a byte an element (XLA packs them)."""
     if a.dtype in (jnp.int4, jnp.uint4):
         return (a.size + 1) // 2
     return a.size * a.dtype.itemsize

@@ -1,0 +1,201 @@
+"""Quantized linear layers at load: decide what the weights become, then fill codes, scales and zeros.
+
+1. `checkpoint_quantization(model_dir)` detects a pre-quantized checkpoint from its `quantization_config`
+   (or refuses its format by name, before a byte is read); `linear_quantization` reconciles it with
+   `--quantization` (int8 / fp8 quantize a float checkpoint at load; one that disagrees with the
+   checkpoint is an error naming both) and picks the strategy for the backend once (`default_strategy`).
+2. The model config then carries the result (`ModelConfig.linear_quantization`), so the abstract model
+   the loader plans from has `QuantizedLinear` layers, whose `codes`, `scales` and `zeros` entries
+   `QuantizedLinearReader` fills: each linear layer's `QuantizedWeight` is made once on the host, by
+   quantizing the float kernel per output channel or by the checkpoint format's `read_linear`, and
+   handed out region by region like any tensor (each device reads its own slice). Every other
+   parameter (embeddings, norms, LM head, biases) goes to the wrapped reader as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.loader.placement import RegionReader
+from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
+from jaxserve.loader.tree import ParamPath
+from jaxserve.model.quantized_linear import CODE_DTYPES
+from jaxserve.quantization import QuantizedWeight, default_strategy, quantize_weight
+from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq, detect_checkpoint_quantization
+
+logger = logging.getLogger(__name__)
+
+QUANTIZED_PARTS = ("codes", "scales", "zeros")
+
+
+def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantization | None:
+    """The quantization a Hugging Face directory's config.json declares (None: float weights)."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    return detect_checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()), model_dir)
+
+
+def _checkpoint_codes(ckpt: CheckpointQuantization) -> str:
+    if ckpt.weight_dtype != "int4":
+        return ckpt.weight_dtype
+    # GPTQ sym stores every zero point as 8: signed codes, no zeros. AWQ always carries zero points.
+    return "int4" if isinstance(ckpt, Gptq) and ckpt.symmetric else "uint4"
+
+
+def _checkpoint_block(ckpt: CheckpointQuantization) -> int | None:
+    group = getattr(ckpt, "group_size", None)
+    if getattr(ckpt, "strategy", "group") in ("channel", "tensor"):
+        return None
+    if getattr(ckpt, "strategy", None) == "block":
+        return int(ckpt.block_structure[1])
+    return None if group in (None, -1) else int(group)
+
+
+def choose_strategy(codes: str, platform: str, weights_only_checkpoint: bool = False) -> tuple[str, int]:
+    """(strategy, min_rows) for linear layers of `codes` on `platform` (docs/quantization.md): a checkpoint
+    made for float activations (W8A16) keeps them; one-row integer batches on CPU are padded to two."""
+    if weights_only_checkpoint or codes in ("int4", "uint4"):
+        return "weight_only", 1
+    strategy = default_strategy(platform, CODE_DTYPES[codes])
+    return strategy, 2 if platform == "cpu" and strategy == "dynamic_int8" else 1
+
+
+def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | None,
+                        platform: str | None = None, strategy: str | None = None) -> LinearQuantization | None:
+    """What the linear layers become. `requested`: `--quantization` (None: follow the checkpoint);
+    `strategy`: `--quantization-strategy` (None: the backend's choice)."""
+    platform = (platform or jax.default_backend()).lower()
+    spec = _linear_quantization(requested, ckpt, platform)
+    if spec is None or strategy is None:
+        return spec
+    if strategy == "dynamic_int8" and spec.codes == "fp8" or strategy == "dynamic_fp8" and spec.codes != "fp8":
+        raise ValueError(f"--quantization-strategy {strategy} cannot run {spec.codes} weights")
+    min_rows = 2 if platform == "cpu" and strategy == "dynamic_int8" else 1
+    return dataclasses.replace(spec, strategy=strategy, min_rows=min_rows)
+
+
+def _linear_quantization(requested, ckpt, platform) -> LinearQuantization | None:
+    if ckpt is not None:
+        if requested is not None and requested != ckpt.weight_dtype:
+            raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
+                             f"as {ckpt.summary} ({ckpt.weight_dtype} weights): leave --quantization out to "
+                             f"serve it as stored")
+        codes = _checkpoint_codes(ckpt)
+        strategy, min_rows = choose_strategy(codes, platform, ckpt.method == "compressed-tensors"
+                                             and ckpt.activation_dtype is None)
+        return LinearQuantization(codes, _checkpoint_block(ckpt), strategy, min_rows, source=ckpt.summary)
+    if requested in (None, "none"):
+        return None
+    strategy, min_rows = choose_strategy(requested, platform)
+    return LinearQuantization(requested, None, strategy, min_rows, source="quantized at load")
+
+
+def quantized_loading(reader, config: ModelConfig, requested: str | None,
+                      ckpt: CheckpointQuantization | None = None, strategy: str | None = None):
+    """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
+    unchanged for float linear layers, else the config says how and the reader makes the layers."""
+    spec = linear_quantization(requested, ckpt, strategy=strategy)
+    if spec is None:
+        return reader, config
+    logger.info("linear layers: %s codes %s (%s), run %s%s", spec.codes,
+                f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
+                spec.source, spec.strategy.replace("_", " "),
+                f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
+    return QuantizedLinearReader(reader, spec, ckpt), dataclasses.replace(config, linear_quantization=spec)
+
+
+def _conform(qw: QuantizedWeight, spec: LinearQuantization, name: str) -> QuantizedWeight:
+    """A layer read from a checkpoint in the representation every layer of the model shares."""
+    codes = qw.codes
+    if spec.codes == "uint4" and qw.zeros is None and codes.dtype == ml_dtypes.int4:
+        # A symmetric layer in an asymmetric checkpoint (every zero point 8): back to codes + 8, zeros 8.
+        qw = QuantizedWeight((codes.astype(np.int8) + 8).astype(ml_dtypes.uint4), qw.scales,
+                             np.full(qw.scales.shape, 8, np.int8))
+    if np.dtype(qw.codes.dtype) != np.dtype(CODE_DTYPES[spec.codes]):
+        raise ValueError(f"{name}: {np.dtype(qw.codes.dtype)} codes where every layer of this checkpoint is "
+                         f"{spec.codes} (a mixed-precision checkpoint is not supported)")
+    return qw
+
+
+def _host_device():
+    """Where a float kernel is quantized before its codes are placed: the CPU, unless JAX runs without it."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
+class QuantizedLinearReader(RegionReader):
+    """`base`'s parameters, with each quantized linear layer's codes, scales and zeros made on the host:
+    quantized from the float kernel `base` holds, or read by the checkpoint's format (`ckpt`)."""
+
+    def __init__(self, base, spec: LinearQuantization, ckpt: CheckpointQuantization | None = None):
+        if not isinstance(base, RegionReader):
+            raise ValueError(f"quantized linear layers cannot be read from {base.description}: convert from "
+                             f"the Hugging Face checkpoint, or serve it without quantization")
+        if ckpt is not None and not isinstance(base, SafetensorsReader):
+            raise ValueError(f"a {ckpt.method} checkpoint is read from Hugging Face safetensors only")
+        self.base, self.spec, self.ckpt = base, spec, ckpt
+        self._lock = threading.Lock()
+        self._layers: dict[ParamPath, list] = {}  # prefix -> [lock, weight, parts still to hand out]
+        self._codes_shapes: dict[ParamPath, tuple[int, int]] = {}
+
+    @property
+    def description(self) -> str:
+        return f"{self.base.description}, linear layers {self.spec.source}"
+
+    def _make(self, prefix: ParamPath, shape: tuple[int, int]) -> QuantizedWeight:
+        if self.ckpt is not None:
+            name = hf_tensor_name(prefix + ("kernel",))[0].removesuffix(".weight")
+            qw = _conform(self.ckpt.read_linear(name, self.base.tensor), self.spec, name)
+        else:
+            kernel = np.empty(shape, np.float32)
+            self.base.reader(prefix + ("kernel",), shape)(tuple(slice(0, n) for n in shape), kernel)
+            with jax.default_device(_host_device()):
+                qw = jax.tree.map(np.asarray, quantize_weight(kernel, self.spec.codes, self.spec.block_size))
+        if tuple(qw.codes.shape) != tuple(shape):
+            raise ValueError(f"{'/'.join(prefix)}: stored weight is {qw.codes.shape} ([in, out]), the config "
+                             f"implies {shape}")
+        return qw
+
+    def _weight(self, prefix: ParamPath, codes_shape: tuple[int, int]) -> QuantizedWeight:
+        with self._lock:
+            entry = self._layers.setdefault(prefix, [threading.Lock(), None, 3 if self.spec.has_zeros else 2])
+        with entry[0]:
+            if entry[1] is None:
+                entry[1] = self._make(prefix, codes_shape)
+            weight = entry[1]
+            entry[2] -= 1
+            if entry[2] == 0:  # every part handed out: the fills hold their own arrays
+                with self._lock:
+                    self._layers.pop(prefix, None)
+        return weight
+
+    def read(self, entries):
+        # The [in, out] shape of every quantized layer, whichever of its parts a loader thread asks first.
+        self._codes_shapes = {tuple(e.path[:-1]): tuple(e.layout.shape) for e in entries if e.path[-1] == "codes"}
+        return super().read(entries)
+
+    def reader(self, path: ParamPath, shape: tuple[int, ...]):
+        if path[-1] not in QUANTIZED_PARTS:
+            return self.base.reader(path, shape)
+        prefix = tuple(path[:-1])
+        value = getattr(self._weight(prefix, self._codes_shapes[prefix]), path[-1])
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{'/'.join(prefix)}/{path[-1]} has shape {value.shape}, the model expects {shape}")
+        return lambda index, out: np.copyto(out, value[index], casting="unsafe")
+
+    def in_place(self, path: ParamPath, dtype):
+        return None if path[-1] in QUANTIZED_PARTS else self.base.in_place(path, dtype)
+
+    def close(self) -> None:
+        self.base.close()

@@ -1,0 +1,80 @@
+"""Quantized linear layers in the model: the module, and the swap that puts them in place of `nnx.Linear`.
+
+1. `QuantizedLinear` holds a layer's `codes` [in, out] (int8, e4m3, int4 or uint4), `scales` [blocks, out]
+   float32, `zeros` [blocks, out] int8 (uint4 codes only) and the float bias as parameters, and runs
+   `quantized_linear(x, weight, strategy)`: the strategy (weight-only, dynamic int8, dynamic fp8) is
+   chosen once at start for the backend and is part of the config, so of the program cache key.
+2. `quantize_linears(model, spec)` replaces every `nnx.Linear` inside the decoder layers by a
+   `QuantizedLinear` of the same shape, after the model is built: the model families never see it, and
+   the embeddings, norms and LM head stay float. The loader fills the parameters (`jaxserve/loader/
+   quantized.py`): quantized from a float checkpoint, or read from a pre-quantized one.
+3. `project` is the product without the bias: under tensor parallelism a row-parallel layer's shards each
+   quantize their own slice of x (its own row scale), rescale their partial product, and the all-reduce
+   adds them (`parallel.row_parallel`); no collective is needed for the activation scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import LinearQuantization
+from jaxserve.quantization import QuantizedWeight, quantized_linear
+
+CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "uint4": jnp.uint4}
+
+
+class QuantizedLinear(nnx.Module):
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, spec: LinearQuantization, dtype):
+        block = spec.block_size or in_features
+        if in_features % block:
+            raise ValueError(f"quantization block size {block} does not divide {in_features} input features")
+        blocks = in_features // block
+        self.in_features, self.out_features = in_features, out_features
+        self.codes = nnx.Param(jnp.zeros((in_features, out_features), CODE_DTYPES[spec.codes]))
+        self.scales = nnx.Param(jnp.zeros((blocks, out_features), jnp.float32))
+        self.zeros = nnx.Param(jnp.zeros((blocks, out_features), jnp.int8)) if spec.has_zeros else None
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+        self.strategy = spec.strategy
+        self.min_rows = spec.min_rows
+        self.act_block_size = activation_block(in_features, spec.act_block) if spec.strategy != "weight_only" else None
+
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.codes[...], self.scales[...], None if self.zeros is None else self.zeros[...])
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """x @ W, without the bias."""
+        return quantized_linear(x, self.weight(), self.strategy, min_rows=self.min_rows,
+                                act_block_size=self.act_block_size)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.project(x)
+        return y if self.bias is None else y + self.bias[...]
+
+
+def activation_block(features: int, target: int | None) -> int | None:
+    """The block of input features an activation scale covers: `target` where it divides them, else the
+    largest divisor between target / 2 and 2 x target (stories260K's 172 features: 43), else one per row."""
+    if target is None or features <= target:
+        return None
+    fitting = [d for d in range(target // 2, min(2 * target, features - 1) + 1) if features % d == 0]
+    if target in fitting:
+        return target
+    return max(fitting) if fitting else None
+
+
+def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
+    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape."""
+    def swap(module: nnx.Module) -> None:
+        for name, child in list(vars(module).items()):
+            if isinstance(child, nnx.Linear):
+                setattr(module, name, QuantizedLinear(child.in_features, child.out_features,
+                                                      use_bias=child.bias is not None, spec=spec,
+                                                      dtype=child.param_dtype))
+            elif isinstance(child, nnx.Module):
+                swap(child)
+
+    for layer in model.layers:
+        swap(layer)
+    return model
