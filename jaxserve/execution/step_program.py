@@ -118,7 +118,8 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
             # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap).
             scoring = dict(sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window) | scoring
             k_pages, v_pages, scales = attention_operands(k_pages, v_pages)  # quantized pages: + their scales
-            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens, **scoring, **scales)
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
+                                    **scoring, **scales)
 
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
 
