@@ -50,6 +50,7 @@ class ScheduledSeq:
     bias: BiasTable = NO_BIAS  # static logit_bias / allowed_token_ids entries
     suppress_ids: tuple[int, ...] = ()  # masked for this draw: EOS and stop tokens before min_tokens
     prompt_targets: tuple[int, ...] | None = None  # prompt logprobs: the prompt token after each span row
+    lora_slot: int = 0  # the device slot of its LoRA adapter; 0: the base model alone
 
     @property
     def samples(self) -> bool:
