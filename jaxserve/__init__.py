@@ -27,7 +27,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS = {"LLM": "jaxserve.entrypoints.llm", "SamplingParams": "jaxserve.sampling.params",
             "Workbench": "jaxserve.entrypoints.research", "Engine": "jaxserve.engine.engine",
             "EngineArgs": "jaxserve.engine_args", "RequestOutput": "jaxserve.outputs",
-            "CompletionOutput": "jaxserve.outputs"}
+            "CompletionOutput": "jaxserve.outputs", "LoRARequest": "jaxserve.lora.request"}
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from jaxserve.engine_args import EngineArgs
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.entrypoints.research import Workbench
+    from jaxserve.lora.request import LoRARequest
     from jaxserve.outputs import CompletionOutput, RequestOutput
     from jaxserve.sampling.params import SamplingParams
 

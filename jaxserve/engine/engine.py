@@ -10,7 +10,10 @@
    meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
+4. With LoRA (`enable_lora`), `self.lora` (`jaxserve/lora/manager.py`) knows the adapters, gives each
+   request its adapter at `add_request` (a `LoRARequest`, read and checked there) and fills the device
+   slots the scheduler asks for at admission.
+5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
    the same code everywhere, and its caller wraps each call in `call`.
 """
 
@@ -31,6 +34,9 @@ from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
+from jaxserve.lora.manager import LoRAConfig, LoRAManager
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
@@ -58,11 +64,24 @@ class Engine:
         self.sampler_config = built.sampler_config
         self.plan = built.model.plan
         self.compile_events = CompileEvents()
+        slots = None
+        if args.enable_lora:
+            lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+            slots = LoRASlots(built.model_config, lora_config.max_loras, lora_config.max_lora_rank, built.dtype,
+                              self.plan)
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
-                                              built.sampler_config, self.compile_events)
+                                              built.sampler_config, self.compile_events, lora=slots)
+        self.lora: LoRAManager | None = None
+        if slots is not None:
+            self.lora = LoRAManager(lora_config, built.model_config, self.runner.write_lora)
+            for name, path in args.lora_modules:
+                self.lora.register(name, path)
+            logger.info("LoRA: %d slots of rank %d (%.1f MB on the device), adapters %s", lora_config.max_loras,
+                        lora_config.max_lora_rank, slots.num_bytes / 1e6,
+                        ", ".join(r.lora_name for r in self.lora.names()) or "none yet")
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
+        self.scheduler = Scheduler(built.scheduler_config, built.cache_config, self.lora)
         self.stats = EngineStats()
         self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
                                       self.scheduler_config.max_model_len)
@@ -134,14 +153,25 @@ class Engine:
                          sampler=self.sampler_config, suppressed_ids=suppressed, grammars=self.grammars)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> str:
+                    prompt: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
-        `index` 0..n-1 under this one id. Returns the id."""
+        `index` 0..n-1 under this one id. `lora_request`: the adapter it runs under (read and checked here;
+        a `LoRAError`, a ValueError, when it cannot be served). Returns the id."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params)
+        lora = self.resolve_lora(lora_request)
         request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt)))
+        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt, lora)))
         return request_id
+
+    def resolve_lora(self, lora_request: LoRARequest | None):
+        """The adapter a request runs under, read and checked (None: the base model)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             "(start the engine with enable_lora / --enable-lora)")
+        return self.lora.resolve(lora_request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request, every choice of it (thread-safe); slots and pages are freed at the next step."""

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs, sampling_defaults
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling.params import SamplingParams
 
@@ -27,7 +28,8 @@ class LLM:
         the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
-        pipeline_parallel_size, distributed_coordinator, num_processes, process_id."""
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, enable_lora, max_loras,
+        max_lora_rank, max_cpu_loras, lora_modules."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)
@@ -46,11 +48,15 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
-        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model); needs
+        `enable_lora=True`."""
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm, lora_request),
+                                on_follower=[])
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -61,18 +67,24 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts")
         tokenizer = self.engine.tokenizer
         encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
         # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
         for (_, ids), params in zip(encoded, sampling_params):
             self.engine.validate(ids, params)
-        return self._run([self.engine.add_request(ids, params, prompt=text)
-                          for (text, ids), params in zip(encoded, sampling_params)],
+        for lora in set(lora_request) - {None}:
+            self.engine.resolve_lora(lora)
+        return self._run([self.engine.add_request(ids, params, prompt=text, lora_request=lora)
+                          for (text, ids), params, lora in zip(encoded, sampling_params, lora_request)],
                          [params.n for params in sampling_params], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
@@ -81,7 +93,7 @@ class LLM:
             prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                                       chat_template=chat_template),
                                         add_special_tokens=False) for c in conversations]
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, lora_request)
 
         return self.engine.call(chat, on_follower=[])
 

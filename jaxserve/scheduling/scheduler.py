@@ -7,6 +7,9 @@
    at least that token is always computed, in a page of its own request. The other choices of an n > 1
    request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
    reference each) and compute only the rest of the prompt, whose last token each samples itself.
+   A request under a LoRA adapter also needs the adapter in a device slot (`lora.acquire`); while every
+   slot is in use it waits and the requests behind it go ahead. Its prefix-cache keys include the
+   adapter, so a prompt under two adapters (or none) never shares pages.
 2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
    while step programs still compile): first a span for every decoding sequence (its last token, plus any
    draft tokens to verify; each gets the pages those tokens go to, and when none is free the newest
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Protocol
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.scheduling.pages import PageAllocator, pages_needed
@@ -39,13 +43,20 @@ from jaxserve.scheduling.request import Request, Status
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 
 
+class LoRASlots(Protocol):
+    """The device slots of LoRA adapters (`jaxserve/lora/manager.py`'s `LoRAManager`)."""
+    def acquire(self, active) -> int | None: ...
+    def release(self, slot: int) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, lora: LoRASlots | None = None):
         self.config = scheduler_config
         self.page_size = cache_config.page_size
         self.prefix_cache = PrefixCache() if cache_config.enable_prefix_caching else None
         self.allocator = PageAllocator(cache_config.num_pages, self.prefix_cache)
         self.waiting: deque[Request] = deque()
+        self.lora = lora
         self.slots: list[Request | None] = [None] * scheduler_config.max_num_seqs
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
@@ -158,7 +169,7 @@ class Scheduler:
                             num_draft_tokens=num_draft_tokens, constrained=request.constrained,
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
-                            prompt_targets=prompt_targets)
+                            prompt_targets=prompt_targets, lora_slot=request.lora_slot)
 
     @staticmethod
     def _mark_drawn(request: Request, row: int) -> None:
@@ -166,8 +177,9 @@ class Scheduler:
         request.pending_row = row
 
     def _admit(self) -> None:
-        while self.waiting and None in self.slots:
-            request = self.waiting[0]
+        position = 0  # requests before it wait for their LoRA adapter's slot
+        while position < len(self.waiting) and None in self.slots:
+            request = self.waiting[position]
             target = len(request.token_ids)
             forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
             hits = request.shared_pages if forked else self._cached_prefix(request, target)
@@ -176,10 +188,16 @@ class Scheduler:
             idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits and not forked else 0
             if not self.allocator.can_allocate(fresh + idle_hits):
                 return  # wait for pages: strict arrival order, so big prompts are not starved
+            if request.lora is not None:
+                lora_slot = self.lora.acquire(request.lora)
+                if lora_slot is None:  # every adapter slot is in use: wait, let the others go ahead
+                    position += 1
+                    continue
+                request.lora_slot = lora_slot
             if not forked:
                 self.allocator.acquire(hits)
             pages = hits + self.allocator.allocate(fresh)
-            self.waiting.popleft()
+            del self.waiting[position]
             request.shared_pages = []
             request.status = Status.RUNNING
             request.slot = self.slots.index(None)
@@ -276,6 +294,9 @@ class Scheduler:
         if request.slot is not None:
             self.slots[request.slot] = None
             request.slot = None
+        if request.lora_slot:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = 0
         if request.pages:
             self.allocator.free(request.pages)
             request.pages = []
@@ -308,4 +329,5 @@ class Scheduler:
 
 def _extra_keys(request: Request) -> tuple:
     salt = request.params.cache_salt
-    return ("salt", salt) if salt is not None else ()
+    keys = ("salt", salt) if salt is not None else ()
+    return keys + request.lora.key if request.lora is not None else keys
