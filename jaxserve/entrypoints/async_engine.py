@@ -114,7 +114,7 @@ class AsyncEngine:
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
         choices are finished. ValueError (before anything is queued) on bad input."""
         if self.error:
@@ -124,7 +124,8 @@ class AsyncEngine:
         running = params.n
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt,
+                                    lora_request=lora_request)
             self._wake.set()
             while not finished:
                 item = await q.get()
