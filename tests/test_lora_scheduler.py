@@ -33,20 +33,22 @@ def under(manager: LoRAManager, name: str, r, index: int = 1):
     return r
 
 
-def test_a_request_waits_for_a_slot_while_others_go_ahead():
+def test_a_request_waits_for_a_slot_while_base_requests_go_ahead():
+    """One slot. b waits for it; c (no adapter) goes ahead; d, whose adapter is in the slot, still waits
+    behind b, so requests for a resident adapter cannot hold the slot from b forever."""
     scheduler, manager, writes = make(max_loras=1)
     a = under(manager, "r4_qv", request("a", 8, 4), 1)
     b = under(manager, "r8_all", request("b", 8, 4), 2)
-    c = request("c", 8, 4)  # the base model: needs no slot
-    d = under(manager, "r4_qv", request("d", 8, 4), 1)  # shares a's slot
+    c = request("c", 8, 4)
+    d = under(manager, "r4_qv", request("d", 8, 4), 1)
     loop = AsyncLoop(scheduler)
     loop.add(a, b, c, d)
     first = loop.step()
-    assert {loop.request(s).request_id: s.lora_slot for s in first.seqs} == {"a": 1, "c": 0, "d": 1}
-    assert b in scheduler.waiting and writes == [(1, "r4_qv")]
+    assert {loop.request(s).request_id: s.lora_slot for s in first.seqs} == {"a": 1, "c": 0}
+    assert list(scheduler.waiting) == [b, d] and writes == [(1, "r4_qv")]
     drain(loop)
-    # b got the slot once a and d were done with it; every request ran under its own adapter.
-    assert writes == [(1, "r4_qv"), (1, "r8_all")]
+    # b got the slot once a was done with it, then d; every request ran under its own adapter.
+    assert writes == [(1, "r4_qv"), (1, "r8_all"), (1, "r4_qv")]
     seen = {(loop.request(s).request_id, s.lora_slot) for plan in loop.plans for s in plan.seqs}
     assert seen == {("a", 1), ("b", 1), ("c", 0), ("d", 1)}
     assert manager.slots_in_use == 0

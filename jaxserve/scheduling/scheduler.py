@@ -8,8 +8,10 @@
    request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
    reference each) and compute only the rest of the prompt, whose last token each samples itself.
    A request under a LoRA adapter also needs the adapter in a device slot (`lora.acquire`); while every
-   slot is in use it waits and the requests behind it go ahead. Its prefix-cache keys include the
-   adapter, so a prompt under two adapters (or none) never shares pages.
+   slot is in use it waits, and the requests behind it go ahead if they need no adapter: the ones under
+   an adapter wait behind it, so a stream of requests for the adapters in the slots cannot keep it from
+   a slot forever. Its prefix-cache keys include the adapter, so a prompt under two adapters (or none)
+   never shares pages.
 2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
    while step programs still compile): first a span for every decoding sequence (its last token, plus any
    draft tokens to verify; each gets the pages those tokens go to, and when none is free the newest
@@ -180,6 +182,9 @@ class Scheduler:
         position = 0  # requests before it wait for their LoRA adapter's slot
         while position < len(self.waiting) and None in self.slots:
             request = self.waiting[position]
+            if position and request.lora is not None:  # behind one that waits for a slot: in order
+                position += 1
+                continue
             target = len(request.token_ids)
             forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
             hits = request.shared_pages if forked else self._cached_prefix(request, target)
