@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -33,6 +35,7 @@ VLLM_NAMES = {
     "jaxserve:num_requests_waiting": ("vllm:num_requests_waiting",),
     "jaxserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "jaxserve:num_preemptions": ("vllm:num_preemptions",),
+    "jaxserve:lora_requests_info": ("vllm:lora_requests_info",),
     "jaxserve:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "jaxserve:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "jaxserve:prompt_tokens": ("vllm:prompt_tokens",),
@@ -89,7 +92,23 @@ def _engine_state(async_engine: AsyncEngine):
         programs.add_metric(["ready"], len(engine.runner.ready_buckets))
         programs.add_metric(["total"], len(engine.runner.layouts))
     return (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
-            startup, programs)
+            startup, programs, *_lora_info(engine if ready else None))
+
+
+def _lora_info(engine) -> tuple:
+    """vLLM's LoRA gauge: the adapters of running and waiting requests as labels, the scrape time as value."""
+    if engine is None or engine.lora is None:
+        return ()
+    info = GaugeMetricFamily("jaxserve:lora_requests_info", "LoRA adapters of the running and waiting requests",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora.request.lora_name for r in requests if r.lora is not None}))
+
+    scheduler = engine.scheduler
+    info.add_metric([str(engine.lora.config.max_loras), names(scheduler.running), names(list(scheduler.waiting))],
+                    time.time())
+    return (info,)
 
 
 class _Exporter:

@@ -127,6 +127,12 @@ def test_vllm_environment_switch_turns_it_on(monkeypatch):
     assert server_options_from(ns, args).allow_runtime_lora_updating
 
 
+def test_metrics_carry_vllms_lora_gauge(server):
+    text = httpx.get(f"{server[0]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    line = next(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line
+
+
 def test_nothing_compiled_and_nothing_leaked(server):
     engine = server[1].engine
     assert engine.compilations_since_warmup == 0
