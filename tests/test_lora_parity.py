@@ -119,3 +119,23 @@ def test_mixed_batch_matches_peft_and_loading_compiles_nothing(runner):
     runner.write_lora(1, None)
     check(run_sequences(runner, [("base", 1)])[0], "base")
     assert runner.events.lowered == before
+
+
+@pytest.mark.parametrize("dense_slots", [0, 8], ids=["gather", "dense"])
+def test_both_formulations_of_the_term_match_numpy(monkeypatch, dense_slots):
+    """The step's term per token is (x @ A[slot]) @ B[slot], by the per-token gather (many slots or few
+    tokens) and by the side-by-side matmul over all slots (few slots); slot 0 adds nothing."""
+    from jaxserve.lora import delta as lora_delta
+
+    monkeypatch.setattr(lora_delta, "DENSE_SLOTS", dense_slots)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((5, 12, 4)).astype(np.float32)
+    b = rng.standard_normal((5, 4, 7)).astype(np.float32)
+    a[0], b[0] = 0, 0
+    x = rng.standard_normal((9, 12)).astype(np.float32)
+    slots = np.array([0, 3, 3, 1, 4, 0, 2, 2, 4], np.int32)
+    layer = lora_delta.LayerLoRA({"q_proj": jnp.asarray(a)}, {"q_proj": jnp.asarray(b)}, jnp.asarray(slots))
+    expected = np.stack([x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
+    np.testing.assert_allclose(np.asarray(lora_delta.delta(layer, "q_proj", jnp.asarray(x))), expected,
+                               rtol=1e-5, atol=1e-5)
+    assert lora_delta.delta(layer, "k_proj", jnp.asarray(x)) is None
