@@ -111,3 +111,26 @@ def test_bad_adapter_fails_the_call_and_queues_nothing(llm, tmp_path):
 def test_lora_request_needs_lora_enabled(stories_llm):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         stories_llm.generate("Once", GREEDY, lora_request=REQUESTS["r4_qv"])
+
+
+def test_unloading_an_adapter_lets_its_running_and_queued_requests_finish(llm):
+    engine = llm.engine
+    adapter = engine.lora.register("temporary", str(LORA / "r8_all"))
+    prompt, expected = golden_tokens("r8_all")
+    first = engine.add_request(prompt, GREEDY, lora_request=adapter)
+    finished = {}
+
+    def step():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+
+    step()
+    step()  # the first request is running
+    second = engine.add_request(prompt, GREEDY, lora_request=adapter)  # queued
+    engine.lora.unregister("temporary")
+    assert engine.lora.lookup("temporary") is None
+    while engine.has_unfinished():
+        step()
+    assert finished == {first: expected, second: expected}
+    assert_pages_released(engine.scheduler)
