@@ -96,11 +96,12 @@ def _engine_state(async_engine: AsyncEngine):
 
 
 def _lora_info(engine) -> tuple:
-    """vLLM's LoRA gauge: the adapters of running and waiting requests as labels, the scrape time as value."""
-    if engine is None or engine.lora is None:
-        return ()
+    """vLLM's LoRA gauge: the adapters of running and waiting requests as labels, the scrape time as value
+    (no sample without LoRA)."""
     info = GaugeMetricFamily("jaxserve:lora_requests_info", "LoRA adapters of the running and waiting requests",
                              labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    if engine is None or engine.lora is None:
+        return (info,)
 
     def names(requests) -> str:
         return ",".join(sorted({r.lora.request.lora_name for r in requests if r.lora is not None}))
