@@ -4,7 +4,8 @@ The public API is what this module exports; the subpackages are the engine's roo
 `entrypoints` (LLM, Workbench, the CLI, the async engine a server drives), `engine` (the loop and its
 assembly), `scheduling` (request state, the scheduler, the step description, KV pages and the prefix
 cache, and `update_from_output`), `execution` (the device batch, the compiled step, the runner),
-`sampling` (sampling parameters, the sampler, logits processing, grammars), `model` and `loader`
+`sampling` (sampling parameters, the sampler, logits processing, grammars) and `lora` (LoRA adapters: reading,
+device slots, the term the projections add), `model` and `loader`
 (model definitions, checkpoints onto the mesh), `text` (tokenizer, chat templates, detokenizer) and
 `bench`. Imports only point down this list (`tests/test_import_graph.py` checks it). `pooling` (the
 pooling runner's config, in-step pooling and parameters) imports only leaf modules, so any room may use it.
@@ -28,7 +29,7 @@ _EXPORTS = {"LLM": "jaxserve.entrypoints.llm", "SamplingParams": "jaxserve.sampl
             "Workbench": "jaxserve.entrypoints.research", "Engine": "jaxserve.engine.engine",
             "EngineArgs": "jaxserve.engine_args", "RequestOutput": "jaxserve.outputs",
             "CompletionOutput": "jaxserve.outputs", "PoolingParams": "jaxserve.pooling.params",
-            "EmbeddingRequestOutput": "jaxserve.pooling.params"}
+            "EmbeddingRequestOutput": "jaxserve.pooling.params", "LoRARequest": "jaxserve.lora.request"}
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from jaxserve.engine_args import EngineArgs
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.entrypoints.research import Workbench
+    from jaxserve.lora.request import LoRARequest
     from jaxserve.outputs import CompletionOutput, RequestOutput
     from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
     from jaxserve.sampling.params import SamplingParams

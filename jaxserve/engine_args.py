@@ -62,6 +62,11 @@ class EngineArgs:
     # sentence-transformers directory or a bare `...Model` architecture pools); see jaxserve/pooling/.
     runner: str = "auto"
     pooler_config: dict | str | None = None  # pooling runner: {"pooling_type": ..., "normalize": ...} over the model's
+    enable_lora: bool = False  # serve LoRA adapters beside the base model (docs/lora.md)
+    lora_modules: tuple = ()  # named adapters to load at start: "name=DIR", or {"name": ..., "path": ...}
+    max_loras: int = 1  # adapters on the device at once (one step mixes them freely)
+    max_lora_rank: int = 16  # the device slots' rank; adapters of higher rank are refused
+    max_cpu_loras: int | None = None  # adapters kept read on the host (LRU); default max_loras
 
     def __post_init__(self):
         if self.runner not in RUNNERS:
@@ -88,11 +93,48 @@ class EngineArgs:
         validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,
                                     self.max_num_partial_prefills)
         self.parallel  # validates the sizes now, not at model build time
+        self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.enable_lora:
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras} and "
+                                 f"{self.max_lora_rank}")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                                 f"({self.max_loras})")
+            if self.pipeline_parallel_size > 1 or (self.num_processes or 1) > 1:
+                raise ValueError("LoRA adapters are served on one process without pipeline parallelism for now "
+                                 "(tensor parallelism works)")
 
     @property
     def parallel(self) -> ParallelConfig:
         from sharding import ParallelConfig  # imports JAX: only once a model is built
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel)
+
+
+def parse_lora_module(entry) -> tuple[str, str]:
+    """One `--lora-modules` entry as (name, path): `name=DIR`, vLLM's JSON form `{"name": ..., "path": ...}`
+    (as a string or a dict), or a (name, path) pair."""
+    if isinstance(entry, str) and entry.lstrip().startswith("{"):
+        try:
+            entry = json.loads(entry)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lora-modules entry {entry!r} is not valid JSON: {e}") from e
+    if isinstance(entry, dict):
+        name, path = entry.get("name"), entry.get("path")
+        extra = sorted(set(entry) - {"name", "path", "base_model_name"})
+        if extra:
+            raise ValueError(f"--lora-modules entry {entry!r}: unknown key(s) {', '.join(extra)}")
+    elif isinstance(entry, str):
+        name, _, path = entry.partition("=")
+    elif isinstance(entry, (tuple, list)) and len(entry) == 2:
+        name, path = entry
+    else:
+        raise ValueError(f"--lora-modules entry {entry!r}: expected name=DIR or {{\"name\": ..., \"path\": ...}}")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ValueError(f"--lora-modules entry {entry!r}: expected name=DIR or {{\"name\": ..., \"path\": ...}}")
+    return name, path
 
 
 _GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

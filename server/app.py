@@ -48,6 +48,7 @@ from server.openapi import openapi_document
 from server.options import ServerOptions
 from server.protocol import ChatCompletionRequest, error_body
 from server.chat import chat_route
+from server.lora_routes import lora_routes
 from server.responses import model_card
 from server.completions import completions_route
 from server.embeddings import embeddings_route, runner_route
@@ -128,10 +129,26 @@ class OpenAIServer:
             raise APIError(400, "request body is nested too deeply") from None
         if body.unknown_fields:
             logger.warning("request %s: ignored unknown fields %s", request_id_of(request), body.unknown_fields)
-        if body.model is not None and body.model != self.engine.model_name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                                f"`{self.engine.model_name}`", param="model", code="model_not_found")
+        self.lora_for(body.model)  # a 404 for a model this server does not serve
         return body
+
+    def lora_for(self, model: str | None):
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for anything else."""
+        engine = self.engine
+        if model is None or model == engine.model_name:
+            return None
+        lora = engine.lora.lookup(model) if engine.lora is not None else None
+        if lora is None:
+            adapters = [r.lora_name for r in engine.lora.names()] if engine.lora is not None else []
+            served = ", ".join(f"`{name}`" for name in [engine.model_name, *adapters])
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}", param="model",
+                           code="model_not_found")
+        return lora
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a reply names: the adapter the request chose, else the base model."""
+        lora = self.lora_for(model)
+        return self.engine.model_name if lora is None else lora.lora_name
 
     def prompt_fits(self, text: str, param: str = "prompt") -> None:
         """Refuse, without tokenizing, a text that cannot fit the context: every token covers at most the
@@ -230,12 +247,13 @@ class OpenAIServer:
         return f"{prefix}-{self.chosen_id(request) or body.request_id or uuid.uuid4().hex}"
 
     async def results(self, request: Request, prompt_ids, params, texts, response_id: str,
-                      priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+                      priority: int = 0, model: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
-        choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
+        choice), under the LoRA adapter `model` names, if it names one. Aborts on disconnect. The caller has admitted every choice of every prompt; they are
         released here when this generator ends. The engine ids are fresh, or — when the client chose the
         response's id (--enable-request-id-headers) — start with it, so the logs carry it, followed by a
         random part as vLLM adds one: the engine keys its state by id, and two requests may carry the same."""
+        lora = self.lora_for(model)
         base = f"{response_id}-{uuid.uuid4().hex[:8]}" if self.chosen_id(request) else uuid.uuid4().hex
         request_ids = [f"{base}-{i}" for i in range(len(prompt_ids))]
         merged: asyncio.Queue = asyncio.Queue()
@@ -255,7 +273,7 @@ class OpenAIServer:
         try:
             if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
                 async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0],
-                                                            priority):
+                                                            priority, lora):
                     account(0, out)
                     yield 0, out
                 return
@@ -263,7 +281,7 @@ class OpenAIServer:
             async def pump(i: int):
                 try:
                     async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i],
-                                                                priority):
+                                                                priority, lora):
                         account(i, out)
                         await merged.put((i, out))
                 except Exception as e:  # surfaced to the handler through the queue
@@ -316,8 +334,12 @@ class OpenAIServer:
             return error_response(e)
         engine = self.engine
         root = engine.args.model or "built-in demo model (random weights, byte-level tokenizer)"
+        limit = engine.scheduler_config.max_model_len
+        adapters = engine.lora.names() if engine.lora is not None else []
         return JSONResponse({"object": "list", "data": [
-            model_card(engine.model_name, self.created, root, engine.scheduler_config.max_model_len)]})
+            model_card(engine.model_name, self.created, root, limit),
+            *(model_card(r.lora_name, self.created, r.lora_path, limit, parent=engine.model_name)
+              for r in adapters)]})
 
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -424,6 +446,7 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/version", api.version, methods=["GET"]),
+        *lora_routes(api),
         *playground.routes(),
     ], exception_handlers={404: not_found, 405: not_found, Exception: unhandled})
     app.state.api = api

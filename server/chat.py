@@ -82,8 +82,8 @@ async def chat_route(api, request: Request) -> Response:
         return chat_logprobs(ids, entries, logprobs, token_str, body.return_tokens_as_token_ids)
 
     envelope = {"id": api.response_id(request, body, "chatcmpl"), "created": int(time.time()),
-                "model": api.engine.model_name}
-    results = api.results(request, prompt_ids, params, [text], envelope["id"], body.priority)
+                "model": api.served_name(body.model)}
+    results = api.results(request, prompt_ids, params, [text], envelope["id"], body.priority, body.model)
     usage = Usage(prompt_ids)
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}

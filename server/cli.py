@@ -68,6 +68,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queued-requests", type=int, default=ServerOptions.max_queued_requests,
                    help="requests that may wait beyond the running ones (--max-num-seqs); more get 429 "
                         "with Retry-After. A list of prompts counts as that many requests")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+                        "also on with vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
     g = parser.add_argument_group("chat templates")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="jinja chat template (a file, or the text itself) instead of the model's own")
@@ -109,9 +112,14 @@ def server_options_from(ns: argparse.Namespace, args: EngineArgs) -> ServerOptio
         trust_request_chat_template=ns.trust_request_chat_template,
         tool_call_parser=_tool_call_parser(ns), reasoning_parser=ns.reasoning_parser,
         responses_store_size=ns.responses_store_size, seed=ns.seed,
+        allow_runtime_lora_updating=ns.allow_runtime_lora_updating or _env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
         root_path=ns.root_path, ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
         uvicorn_log_level=ns.uvicorn_log_level, log_requests=not ns.disable_log_requests,
         sampling_defaults=sampling_defaults(args.model, ns.generation_config))
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _tool_call_parser(ns: argparse.Namespace) -> str | None:

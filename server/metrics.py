@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -33,6 +35,7 @@ VLLM_NAMES = {
     "jaxserve:num_requests_waiting": ("vllm:num_requests_waiting",),
     "jaxserve:kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "jaxserve:num_preemptions": ("vllm:num_preemptions",),
+    "jaxserve:lora_requests_info": ("vllm:lora_requests_info",),
     "jaxserve:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "jaxserve:prefix_cache_hits": ("vllm:prefix_cache_hits",),
     "jaxserve:prompt_tokens": ("vllm:prompt_tokens",),
@@ -103,7 +106,24 @@ def _engine_state(async_engine: AsyncEngine):
         memory.add_metric(["weights"], p.weight_bytes)
         memory.add_metric(["kv_cache"], p.kv_cache_bytes)
     return (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
-            startup, programs, precision, memory)
+            startup, programs, precision, memory, *_lora_info(engine if ready else None))
+
+
+def _lora_info(engine) -> tuple:
+    """vLLM's LoRA gauge: the adapters of running and waiting requests as labels, the scrape time as value
+    (no sample without LoRA)."""
+    info = GaugeMetricFamily("jaxserve:lora_requests_info", "LoRA adapters of the running and waiting requests",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    if engine is None or engine.lora is None:
+        return (info,)
+
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora.request.lora_name for r in requests if r.lora is not None}))
+
+    scheduler = engine.scheduler
+    info.add_metric([str(engine.lora.config.max_loras), names(scheduler.running), names(list(scheduler.waiting))],
+                    time.time())
+    return (info,)
 
 
 class _Exporter:

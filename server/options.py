@@ -43,6 +43,8 @@ class ServerOptions:
     seed: int | None = None
     # Responses the Responses API keeps for previous_response_id, least recently used dropped first (0: none).
     responses_store_size: int = 256
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+    allow_runtime_lora_updating: bool = False
     # uvicorn: the ASGI root path behind a proxy that strips a prefix, TLS, its log level, the access log.
     root_path: str = ""
     ssl_keyfile: str | None = None

@@ -76,15 +76,15 @@ def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list 
                                     for t, v in e.items()} for e in entries]
 
 
-def model_card(name: str, created: int, root: str, max_model_len: int) -> dict:
+def model_card(name: str, created: int, root: str, max_model_len: int, parent: str | None = None) -> dict:
     """One `/v1/models` entry in vLLM's shape: OpenAI's fields, then `root` (where the weights came from),
-    `parent` (null: a base model, not an adapter), `max_model_len` and one `permission` object."""
+    `parent` (null for the base model; a LoRA adapter's base), `max_model_len` and one `permission` object."""
     permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
                   "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                   "organization": "*", "group": None, "is_blocking": False}
     return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": root,
-            "parent": None, "max_model_len": max_model_len, "permission": [permission]}
+            "parent": parent, "max_model_len": max_model_len, "permission": [permission]}
 
 
 def tool_call_json(call) -> dict:

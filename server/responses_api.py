@@ -65,7 +65,7 @@ async def responses_route(api, request: Request) -> Response:
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
     run = _Run(api, body, conversation, params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
-    results = api.results(request, prompt_ids, params, [text], run.id, chat.priority)
+    results = api.results(request, prompt_ids, params, [text], run.id, chat.priority, body.model)
     if body.stream:
         return StreamingResponse(_events(run, results, request_id_of(request)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -176,7 +176,7 @@ class _Run:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "model": self.api.engine.model_name, "output": self.items.items if done else [],
+            "model": self.api.served_name(self.body.model), "output": self.items.items if done else [],
             "error": {"code": "server_error", "message": "the request was aborted before it finished"}
             if status == "failed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

@@ -15,7 +15,10 @@
    tensor group. `vocab` and `mlp` dimensions that do not divide are padded with zeros (zero embedding
    rows and LM-head columns are sliced off the logits; silu(0) * 0 = 0 in the MLP), so e.g. an
    intermediate size of 172 still splits eight ways. Heads must divide: that is checked at mesh creation.
-4. Layer parameters get the pipeline axis in front of their first dimension at run time
+4. A LoRA adapter's A [in, r] and B [r, out] of a projection follow its kernel [in, out] (`lora_layouts`):
+   A takes the kernel's input dimension (split for o/down_proj), B its output dimension (split for
+   q/k/v and gate/up), the rank stays whole; so the LoRA term is split exactly as the base layer's output.
+5. Layer parameters get the pipeline axis in front of their first dimension at run time
    (`runtime_spec`): the stages' copies of layer slot j are stacked along dim 0.
 """
 
@@ -156,3 +159,13 @@ def kv_cache_spec() -> P:
 def kv_scales_spec() -> P:
     """Per-slot scales of quantized KV pages [pp * num_kv_heads, pages, page_size]: split like the pages."""
     return P(*kv_cache_spec()[:3])
+
+
+def lora_layouts(block: str, module: str, shape: tuple[int, int], rank: int,
+                 mesh_shape: dict[str, int]) -> tuple[ParamLayout, ParamLayout]:
+    """Layouts of a LoRA A [in, rank] and B [rank, out] for the projection `block/module` whose kernel is
+    `shape` = (in, out): each takes the kernel's padding and split along the dimension it shares with it."""
+    kernel = param_layout(("layers", "0", block, module, "kernel"), shape, mesh_shape)
+    spec = list(kernel.spec) + [None] * (2 - len(kernel.spec))
+    return (ParamLayout((shape[0], rank), (kernel.padded[0], rank), P(spec[0], None)),
+            ParamLayout((rank, shape[1]), (rank, kernel.padded[1]), P(None, spec[1])))

@@ -24,6 +24,7 @@ PARTS = {
                       "(sharded_logits and (gemma or moe or mixtral)) or expert_parallel"],
     "checkpoint": ["tests/multidevice/test_checkpoint.py"],
     "embeddings": ["tests/multidevice/test_embeddings_mesh.py"],
+    "lora-tp": ["tests/multidevice/test_lora_tp.py"],
 }
 
 

@@ -13,6 +13,8 @@
    is finished, the whole result.
 4. Step times feed the scheduler's step-time model (`scheduling/step_cost.py`): idle steps timed at
    warm-up, then each step the host waited for, from when the device could start it to its samples.
+   With LoRA, `self.lora` (`jaxserve/lora/manager.py`) reads each request's adapter at `add_request`
+   and fills the device slots the scheduler asks for at admission.
 5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
    the same code everywhere, and its caller wraps each call in `call`.
 """
@@ -30,23 +32,26 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
+from jaxserve.engine.pooling_requests import PoolingRequests
 from jaxserve.engine.precision import Precision
 from jaxserve.engine_args import EngineArgs
-from jaxserve.errors import InvalidParameter, WrongRunner
+from jaxserve.errors import WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
 from jaxserve.execution.kv_budget import page_bytes
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
+from jaxserve.lora.manager import LoRAConfig, LoRAManager, resolve_adapter
+from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.outputs import RequestOutput
-from jaxserve.pooling.params import PooledPrompt, PoolingParams
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
 from jaxserve.scheduling.update import RequestTracker
-from jaxserve.scheduling.validation import validate_priority, validate_prompt, validate_request
+from jaxserve.scheduling.validation import validate_priority, validate_request
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -54,7 +59,7 @@ T = TypeVar("T")
 SHORT_STEP_SECONDS = 0.1  # warm-up times a step this short twice (see calibrate_step_cost)
 
 
-class Engine:
+class Engine(PoolingRequests):
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
         """`built`: a model assembled by the caller (`builder.build_from_module`); default: `build_model(args)`."""
         started = time.perf_counter()
@@ -70,12 +75,17 @@ class Engine:
         self.runner_type = built.runner  # "generate" or "pooling"
         self.pooler_config = built.pooler_config
         self.compile_events = CompileEvents()
+        lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
+        slots = None if lora_config is None else LoRASlots(built.model_config, lora_config.max_loras,
+                                                           lora_config.max_lora_rank, built.dtype, self.plan)
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
                                               built.sampler_config, self.compile_events,
-                                              pooling=built.runner == "pooling")
+                                              pooling=built.runner == "pooling", lora=slots)
+        self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,
+                                                                 self.runner.write_lora, args.lora_modules)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.scheduler = Scheduler(built.scheduler_config, built.cache_config)
+        self.scheduler = Scheduler(built.scheduler_config, built.cache_config, self.lora)
         self.stats = EngineStats()
         self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
                                       self.scheduler_config.max_model_len)
@@ -188,38 +198,21 @@ class Engine:
         validate_priority(priority, self.scheduler_config)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None, priority: int = 0) -> str:
+                    prompt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
         `index` 0..n-1 under this one id. `priority` (only with the priority scheduling policy): lower
-        runs first. Returns the id."""
+        runs first. `lora_request`: the adapter it runs under (read and checked here; a `LoRAError`, a
+        ValueError, when it cannot be served). Returns the id."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params, priority)
+        lora = self.resolve_lora(lora_request)
         request_id = request_id or uuid.uuid4().hex
-        choices = self.tracker.new_choices(prompt_ids, params, request_id, prompt, priority=priority)
-        self._inbox.put(("add", choices))
+        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt, priority, lora)))
         return request_id
 
-    def validate_pooling(self, prompt_ids: Sequence[int], params: PoolingParams) -> PooledPrompt:
-        """Check a pooling request (a ValueError naming the parameter) and resolve it against the model's
-        pooler; allocates nothing."""
-        if self.runner_type != "pooling":
-            raise WrongRunner("this model runs with the generate runner: embeddings need the pooling runner "
-                              "(start it with --runner pooling)")
-        if not isinstance(params, PoolingParams):
-            raise InvalidParameter("pooling_params",
-                                   f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-        validate_prompt(prompt_ids, self.model_config, self.scheduler_config, reserve=0)
-        return PooledPrompt.resolve(params, self.pooler_config)
-
-    def add_pooling_request(self, prompt_ids: Sequence[int], params: PoolingParams | None = None,
-                            request_id: str | None = None, prompt: str | None = None) -> str:
-        """Validate and queue a pooling request (thread-safe): one `EmbeddingRequestOutput` comes out when
-        its whole prompt has been through the steps. Returns the id."""
-        prompt_ids = [int(t) for t in prompt_ids]
-        pooling = self.validate_pooling(prompt_ids, params or PoolingParams())
-        request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_pooling_request(prompt_ids, pooling, request_id, prompt)))
-        return request_id
+    def resolve_lora(self, lora_request: LoRARequest | None):
+        """The adapter a request runs under, read and checked (None: the base model)."""
+        return resolve_adapter(self.lora, lora_request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request, every choice of it (thread-safe); slots and pages are freed at the next step."""

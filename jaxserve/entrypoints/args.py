@@ -73,6 +73,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='pooling runner: override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
                         '"normalize": false}\' (pooling_type LAST, MEAN or CLS)')
     add_parallel_args(parser)
+    add_lora_args(parser)
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters beside the base model")
+    g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME=DIR",
+                   help='adapters to load at start, each name=DIR or vLLM\'s JSON {"name": ..., "path": ...}; '
+                        "requests choose one by its name as their model")
+    g.add_argument("--max-loras", type=int, default=EngineArgs.max_loras,
+                   help="adapters on the device at once (one step mixes them); others wait for a slot")
+    g.add_argument("--max-lora-rank", type=int, default=EngineArgs.max_lora_rank,
+                   help="the device slots' rank: adapters of a higher rank are refused")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept read in host memory, least recently used dropped (default: --max-loras)")
 
 
 def add_scheduling_args(parser: argparse.ArgumentParser) -> None:

@@ -119,7 +119,7 @@ class AsyncEngine:
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
         choices are finished. ValueError (before anything is queued) on bad input."""
         if self.error:
@@ -129,7 +129,8 @@ class AsyncEngine:
         running = params.n
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt, priority=priority)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt, priority=priority,
+                                    lora_request=lora_request)
             self._wake.set()
             while not finished:
                 item = await q.get()

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs, sampling_defaults
+from jaxserve.lora.request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling.params import SamplingParams
@@ -32,7 +33,8 @@ class LLM:
         max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
         pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,
         scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner
-        ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config."""
+        ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config, enable_lora, max_loras,
+        max_lora_rank, max_cpu_loras, lora_modules."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)
@@ -51,24 +53,40 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order.
-        `priority`: one per prompt, lower first (needs `scheduling_policy="priority"`)."""
-        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm, priority), on_follower=[])
+        `priority`: one per prompt, lower first (needs `scheduling_policy="priority"`). `lora_request`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model); needs `enable_lora=True`."""
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm, priority, lora_request),
+                                on_follower=[])
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority=None) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority=None,
+                  lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         encoded, sampling_params = self._encoded(prompts, sampling_params, SamplingParams, "sampling_params")
-        priority = [0] * len(encoded) if priority is None else list(priority)
-        if len(priority) != len(encoded):
-            raise ValueError(f"priority has {len(priority)} entries for {len(encoded)} prompts")
+        priority = self._per_prompt(priority, 0, len(encoded), "priority")
+        lora_request = self._per_prompt(lora_request, None, len(encoded), "lora_request")
         # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
         for (_, ids), params, rank in zip(encoded, sampling_params, priority):
             self.engine.validate(ids, params, rank)
-        return self._run([self.engine.add_request(ids, params, prompt=text, priority=rank)
-                          for (text, ids), params, rank in zip(encoded, sampling_params, priority)],
+        for lora in set(lora_request) - {None}:
+            self.engine.resolve_lora(lora)
+        return self._run([self.engine.add_request(ids, params, prompt=text, priority=rank, lora_request=lora)
+                          for (text, ids), params, rank, lora in zip(encoded, sampling_params, priority, lora_request)],
                          [params.n for params in sampling_params], use_tqdm)
+
+    @staticmethod
+    def _per_prompt(value, default, count: int, name: str) -> list:
+        """`value` as one entry per prompt: None -> `default` for each, a single LoRARequest for each, else
+        a sequence of exactly `count` entries."""
+        if value is None or isinstance(value, LoRARequest):
+            return [default if value is None else value] * count
+        value = list(value)
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+        return value
 
     def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
@@ -109,7 +127,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
@@ -118,7 +136,7 @@ class LLM:
             prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                                       chat_template=chat_template),
                                         add_special_tokens=False) for c in conversations]
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
         return self.engine.call(chat, on_follower=[])
 

@@ -41,6 +41,7 @@ class StepBatch:
     write_index: jax.Array = per_token()  # [T] int32 flat KV slot (page * page_size + offset); padding: null page
     token_kind: jax.Array = per_token()  # [T] int32 0 padding, 1 prompt token, 2 output token (sampler state)
     prompt_target: jax.Array = per_token(fill=-1)  # [T] int32 the prompt token after this one (logprobs); -1: none
+    lora_slot: jax.Array = per_token()  # [T] int32 LoRA adapter slot of each token's sequence; 0: none
     cu_q_lens: jax.Array = packed("S+1")  # [S + 1] int32 first token row of each sequence; padding rows are empty
     kv_lens: jax.Array = per_seq()  # [S] int32 tokens in the cache per sequence after this step; 0 for padding
     page_tables: jax.Array = packed("S,P")  # [S, P] int32 page ids per sequence (null page beyond its length)
@@ -127,6 +128,9 @@ class BatchBuilder:
         b.write_index[:total] = pages * self.page_size + positions % self.page_size
         prompt_lens = np.fromiter((s.num_prompt_tokens for s in seqs), np.int32, n)
         b.token_kind[:total] = np.where(positions < prompt_lens[seq_of], 1, 2)
+        lora_slots = np.fromiter((s.lora_slot for s in seqs), np.int32, n)
+        if lora_slots.any():
+            b.lora_slot[:total] = lora_slots[seq_of]
         tokens: list[int] = []
         for seq in seqs:
             if seq.token_ids is None:  # the token is still on the device: the step reads it there

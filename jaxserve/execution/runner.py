@@ -11,6 +11,8 @@
    It notes when they arrived and whether the host had to wait for them: the engine's step-time
    measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
+5. With LoRA, the adapters' slot stacks (`jaxserve/lora/slots.py`) are one more input of every step;
+   `write_lora(slot, adapter)` fills a slot between steps, and no step program changes.
 The multi-host leader (`relay.py`) is this runner with its dispatch and warm-up wrapped; nothing here
 knows about other processes.
 """
@@ -31,6 +33,8 @@ from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import StepCompiler, WarmupReport, abstract
 from jaxserve.execution.step_program import StepResults, jit_step
 from jaxserve.loader.placement import ShardedModel
+from jaxserve.lora.adapter import LoRAAdapter
+from jaxserve.lora.slots import LoRASlots
 from jaxserve.model.kv_cache import KVCache, QuantizedPages
 from jaxserve.sampling.logits import SamplerState
 from jaxserve.scheduling.pages import pages_needed
@@ -81,8 +85,9 @@ class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
-                 pooling: bool = False):
-        """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`)."""
+                 pooling: bool = False, lora: LoRASlots | None = None):
+        """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`);
+        `lora`: the LoRA adapters' device slots (`enable_lora`)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -90,6 +95,7 @@ class ModelRunner:
         self.attention = attention
         self.dtype = dtype
         self.events = events or CompileEvents()
+        self.lora = lora
         self.plan: MeshPlan = model.plan
         self.graphdef, self.params = model.graphdef, model.params
         self._param_leaves = tuple(jax.tree.leaves(self.params))
@@ -117,7 +123,8 @@ class ModelRunner:
         state_shape = (max_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
         step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
-                        num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling)
+                        num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling,
+                        lora=None if lora is None else lora.stack)
         self.compiler = StepCompiler(step, layouts, self._program_inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
                                       max_seqs, sampler_config.max_logprobs, pooling),
@@ -157,7 +164,8 @@ class ModelRunner:
         # meanwhile; only their shapes and shardings matter here.
         ints, floats = layout.empty()
         return (abstract(self._param_leaves), self.kv_abstract, abstract(self.sampler_state),
-                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens])
+                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens],
+                None if self.lora is None else abstract(self.lora.stack))
 
     # ---- compiling --------------------------------------------------------------------------------------
 
@@ -180,6 +188,9 @@ class ModelRunner:
 
     def warmup(self, background: bool = False, on_done=None) -> WarmupReport | None:
         """Compile every bucket's step program (see `StepCompiler.warmup`); ready means the KV cache is filled."""
+        if self.lora is not None:
+            with self.events.counting(warmup=True):
+                self.lora.warm_up()
         report = self.compiler.warmup(background, on_done, self._build_program)
         self.kv_cache  # noqa: B018 - it was being filled, meanwhile, on its thread
         return report
@@ -199,6 +210,13 @@ class ModelRunner:
     def release(self) -> None:
         """The caller is done with the engine (nothing to do in a single process)."""
 
+    # ---- LoRA slots -------------------------------------------------------------------------------------
+
+    def write_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Load `adapter` into LoRA slot `slot` (None: clear it), between steps, on the engine thread."""
+        with self.events.counting():
+            self.lora.write(slot, adapter)
+
     # ---- running ----------------------------------------------------------------------------------------
 
     def launch(self, step: StepPlan, masks: np.ndarray | None = None, with_logits: bool = False) -> LaunchedStep:
@@ -217,7 +235,8 @@ class ModelRunner:
                   masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
-        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
+        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks,
+                None if self.lora is None else self.lora.stack)
         launched_at = time.perf_counter()
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)

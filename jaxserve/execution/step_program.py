@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
+from jaxserve.lora.delta import LoRAInputs, LoRAStack
 from jaxserve.model.kv_cache import KVCache, attention_operands
 from jaxserve.pooling.device import pool_rows
 from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
@@ -50,10 +51,11 @@ class StepResults:
 
 
 def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sampler_state: SamplerState,
-             num_samples: int, top: int, pooling: bool = False):
+             num_samples: int, top: int, pooling: bool = False, lora: LoRAStack | None = None):
     """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
     runs Python code for every leaf, on every call, on the critical path of each step. Call it as
-    `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits)`."""
+    `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, lora, layout, with_logits)`;
+    `lora`: the LoRA slot stacks (`jaxserve/lora/slots.py`, shaped like the given one), or None without LoRA."""
     leaves, param_tree = jax.tree.flatten(model.params)
     rep = plan.replicated
     state_sharding = jax.tree.map(lambda a: a.sharding, sampler_state)
@@ -61,20 +63,25 @@ def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sam
     kv_specs = jax.tree.map(lambda a: a.sharding.spec, kv_abstract)
     step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp,
                        num_samples=num_samples, top=top, pooling=pooling)
+    lora_sharding = jax.tree.map(lambda a: a.sharding, lora)
+    lora_specs = jax.tree.map(lambda a: a.sharding.spec, lora) if lora is not None else P()
 
-    def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits):
+    def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, lora, layout, with_logits):
         # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
         # then computed identically on every device); we do not ask JAX to prove it per value.
         local = functools.partial(_step_local, **step_kwargs, layout=layout, with_logits=with_logits)
         params = jax.tree.unflatten(param_tree, param_leaves)
-        return jax.shard_map(local, mesh=plan.mesh, in_specs=(model.specs, kv_specs, P(), P(), P(), P(), P()),
+        return jax.shard_map(local, mesh=plan.mesh,
+                             in_specs=(model.specs, kv_specs, P(), P(), P(), P(), P(), lora_specs),
                              out_specs=(kv_specs, P(), P(), P()), check_vma=False)(
-            params, kv_cache, sampler_state, prev_samples, ints, floats, masks)
+            params, kv_cache, sampler_state, prev_samples, ints, floats, masks, lora)
 
     # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
-    # with in_shardings. The cache and the sampler state are donated: updated in place.
-    return jax.jit(step, static_argnums=(7, 8), donate_argnums=(1, 2),
-                   in_shardings=(tuple(a.sharding for a in leaves), kv_sharding, state_sharding, rep, rep, rep, rep),
+    # with in_shardings. The cache and the sampler state are donated: updated in place. The LoRA stacks
+    # are an input like the weights: loading an adapter into a slot changes their values, not the program.
+    return jax.jit(step, static_argnums=(8, 9), donate_argnums=(1, 2),
+                   in_shardings=(tuple(a.sharding for a in leaves), kv_sharding, state_sharding, rep, rep, rep, rep,
+                                 lora_sharding),
                    out_shardings=(kv_sharding, state_sharding, rep, rep))
 
 
@@ -93,9 +100,9 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(valid, write_index, NULL_PAGE)
 
 
-def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks, *, graphdef,
-                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool,
-                pooling: bool):
+def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks,
+                lora: LoRAStack | None, *, graphdef, attention, config, pp, num_samples: int, top: int,
+                layout: BatchLayout, with_logits: bool, pooling: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(ints, floats)
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
@@ -109,6 +116,7 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     size = num_tokens // m
     split = lambda a: a.reshape(m, size)
     micro_tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
+    lora_slots = split(batch.lora_slot)
 
     def stage(x, micro, valid, kv):
         cos, sin = model.rope(positions[micro])
@@ -121,7 +129,9 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
             return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
                                     **scoring, **scales)
 
-        return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES)
+        lora_inputs = None if lora is None else LoRAInputs(lora, lora_slots[micro])
+        return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES,
+                                lora_inputs)
 
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))

@@ -77,7 +77,8 @@ class GemmaDecoderLayer(nnx.Module):
         self.scoring = (("sm_scale", config.attn_scale), ("soft_cap", config.attn_logit_softcap),
                         ("sliding_window", config.layer_window(layer)))
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None):
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None, lora=None):
+        assert lora is None, "LoRA adapters are served on the Llama family only (refused at start)"
         """cos, sin: {layer kind: [N, head_dim // 2]} (see `GemmaForCausalLM.rope`)."""
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos[self.kind], sin[self.kind], k_pages,
                                              v_pages, write_index, functools.partial(attend, **dict(self.scoring)),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.lora.delta import LayerLoRA, LoRAInputs, delta, project
 from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.model import parallel
 from jaxserve.model.parallel import Axis
@@ -62,19 +63,21 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
         self.config = config
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend: AttendFn, tp_axis: Axis = None):
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend: AttendFn, tp_axis: Axis = None,
+                 lora: LayerLoRA | None = None):
         c = self.config
         n = x.shape[0]
         # -1: under tensor parallelism this device holds only its share of the heads.
-        q = self.q_proj(x).reshape(n, -1, c.head_dim)
-        k = self.k_proj(x).reshape(n, -1, c.head_dim)
-        v = self.v_proj(x).reshape(n, -1, c.head_dim)
+        q = project(self.q_proj, x, lora, "q_proj").reshape(n, -1, c.head_dim)
+        k = project(self.k_proj, x, lora, "k_proj").reshape(n, -1, c.head_dim)
+        v = project(self.v_proj, x, lora, "v_proj").reshape(n, -1, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, write_index)
         out = attend(q, k_pages, v_pages)
-        return parallel.row_parallel(self.o_proj, out.reshape(n, -1), tp_axis), k_pages, v_pages
+        out = out.reshape(n, -1)
+        return parallel.row_parallel(self.o_proj, out, tp_axis, delta(lora, "o_proj", out)), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -84,8 +87,9 @@ class MLP(nnx.Module):
         self.up_proj = _linear(dtype, c.hidden_size, c.intermediate_size, c.mlp_bias, rngs)
         self.down_proj = _linear(dtype, c.intermediate_size, c.hidden_size, c.mlp_bias, rngs)
 
-    def __call__(self, x, tp_axis: Axis = None):
-        return parallel.row_parallel(self.down_proj, jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), tp_axis)
+    def __call__(self, x, tp_axis: Axis = None, lora: LayerLoRA | None = None):
+        h = jax.nn.silu(project(self.gate_proj, x, lora, "gate_proj")) * project(self.up_proj, x, lora, "up_proj")
+        return parallel.row_parallel(self.down_proj, h, tp_axis, delta(lora, "down_proj", h))
 
 
 class DecoderLayer(nnx.Module):
@@ -95,11 +99,12 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(config, dtype, rngs)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None):
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None,
+                 lora: LayerLoRA | None = None):
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
-                                             write_index, attend, tp_axis)
+                                             write_index, attend, tp_axis, lora)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), tp_axis)
+        x = x + self.mlp(self.post_attention_layernorm(x), tp_axis, lora)
         return x, k_pages, v_pages
 
 
@@ -129,11 +134,13 @@ class LlamaForCausalLM(nnx.Module):
         return rope_cos_sin(positions, inverse_frequencies(self.config))
 
     def run_layers(self, x, cos, sin, kv_cache: KVCache, write_index, attend: AttendFn,
-                   tp_axis: Axis = None) -> tuple[jax.Array, KVCache]:
-        """Every layer of this module (a pipeline stage's block, when sharded) over hidden x [N, hidden]."""
+                   tp_axis: Axis = None, lora: LoRAInputs | None = None) -> tuple[jax.Array, KVCache]:
+        """Every layer of this module (a pipeline stage's block, when sharded) over hidden x [N, hidden];
+        `lora`: the adapters' stacks and each token's slot (jaxserve/lora/delta.py), None without LoRA."""
         new_k, new_v = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv_cache.k, kv_cache.v):
-            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis)
+        for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv_cache.k, kv_cache.v)):
+            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis,
+                                        None if lora is None else lora.layer(i))
             new_k.append(k_pages)
             new_v.append(v_pages)
         return x, KVCache(k=new_k, v=new_v)

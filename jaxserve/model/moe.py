@@ -146,7 +146,8 @@ class MoEDecoderLayer(nnx.Module):
         ffn = SparseMoE(config, names, dtype, rngs) if config.sparse_layers[layer] else MLP(config, dtype, rngs)
         setattr(self, self.ffn_name, ffn)
 
-    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None):
+    def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis: Axis = None, lora=None):
+        assert lora is None, "LoRA adapters are served on the Llama family only (refused at start)"
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), cos, sin, k_pages, v_pages,
                                              write_index, attend, tp_axis)
         x = x + h

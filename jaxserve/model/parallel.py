@@ -31,15 +31,19 @@ def embed(module: nnx.Embed, tokens: jax.Array, axis: Axis) -> jax.Array:
     return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), axis)
 
 
-def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis) -> jax.Array:
+def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis, extra: jax.Array | None = None) -> jax.Array:
+    """`extra`: a partial sum of the same shape to add before the all-reduce (a LoRA term whose A is split
+    like this layer's input), so it costs no collective of its own."""
     if axis is None:
-        return linear(x)
+        return linear(x) if extra is None else linear(x) + extra
     bias = linear.bias[...] if linear.bias is not None else None
     if hasattr(linear, "project"):  # a QuantizedLinear: each shard quantizes its own slice of x
         y = jax.lax.psum(linear.project(x), axis)
         return y if bias is None else y + bias
     x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
     y = linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
+    if extra is not None:
+        y = y + extra
     y = jax.lax.psum(y, axis)
     return y if bias is None else y + bias
 

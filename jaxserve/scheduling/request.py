@@ -64,8 +64,10 @@ class Request:
     stop_reason: int | str | None = None  # the EOS / stop token or stop string that ended it
     output: OutputState = dataclasses.field(default_factory=OutputState)
     grammar: GrammarState | None = None  # structured outputs: its place in the grammar
+    lora: object | None = None  # its LoRA adapter (`jaxserve.lora.manager.ActiveLoRA`); None: the base model
     # -- scheduling: the scheduler alone writes these ---------------------------------------------------
     slot: int | None = None
+    lora_slot: int = 0  # the device slot of its adapter while admitted; 0: none
     pages: list[int] = dataclasses.field(default_factory=list)
     num_pages_sent: int = 0  # leading pages the steps so far have told the device's page table about
     num_computed: int = 0  # tokens whose K/V the dispatched steps write

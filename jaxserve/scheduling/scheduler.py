@@ -8,6 +8,11 @@
    at least that token is always computed, in a page of its own request. The other choices of an n > 1
    request wait until choice 0 has its prompt prefilled, then start from its prompt pages (shared, one
    reference each) and compute only the rest of the prompt, whose last token each samples itself.
+   A request under a LoRA adapter also needs the adapter in a device slot (`lora.acquire`); while every
+   slot is in use it waits, and the requests behind it go ahead if they need no adapter: the ones under
+   an adapter wait behind it, so a stream of requests for the adapters in the slots cannot keep it from
+   a slot forever. Its prefix-cache keys include the adapter, so a prompt under two adapters (or none)
+   never shares pages.
 2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
    while step programs still compile): first a span for every decoding sequence (its last token, plus any
    draft tokens to verify; each gets the pages those tokens go to, and when none is free the last
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Protocol
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.scheduling.pages import PageAllocator, pages_needed
@@ -48,13 +54,20 @@ from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 from jaxserve.scheduling.step_cost import PrefillCap, StepCostModel
 
 
+class LoRASlots(Protocol):
+    """The device slots of LoRA adapters (`jaxserve/lora/manager.py`'s `LoRAManager`)."""
+    def acquire(self, active) -> int | None: ...
+    def release(self, slot: int) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, lora: LoRASlots | None = None):
         self.config = scheduler_config
         self.page_size = cache_config.page_size
         self.prefix_cache = PrefixCache() if cache_config.enable_prefix_caching else None
         self.allocator = PageAllocator(cache_config.num_pages, self.prefix_cache)
         self.waiting: deque[Request] = deque()
+        self.lora = lora
         self.slots: list[Request | None] = [None] * scheduler_config.max_num_seqs
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
@@ -200,7 +213,7 @@ class Scheduler:
                             num_draft_tokens=num_draft_tokens, constrained=request.constrained,
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
-                            prompt_targets=prompt_targets,
+                            prompt_targets=prompt_targets, lora_slot=request.lora_slot,
                             pooling=request.pooling.kind if request.pooling is not None else 0)
 
     @staticmethod
@@ -218,17 +231,27 @@ class Scheduler:
         return hits, fresh, fresh + idle_hits
 
     def _admit(self) -> None:
-        while self.waiting and None in self.slots:
-            request = self.waiting[0]
+        position = 0  # requests before it wait for their LoRA adapter's slot
+        while position < len(self.waiting) and None in self.slots:
+            request = self.waiting[position]
+            if position and request.lora is not None:  # behind one that waits for a slot: in order
+                position += 1
+                continue
             target = len(request.token_ids)
             forked = bool(request.shared_pages)
             hits, fresh, to_allocate = self._admission_needs(request)
             if not self.allocator.can_allocate(to_allocate):
                 return  # wait for pages: strict queue order, so big prompts are not starved
+            if request.lora is not None:
+                lora_slot = self.lora.acquire(request.lora)
+                if lora_slot is None:  # every adapter slot is in use: wait, let the others go ahead
+                    position += 1
+                    continue
+                request.lora_slot = lora_slot
             if not forked:
                 self.allocator.acquire(hits)
             pages = hits + self.allocator.allocate(fresh)
-            self.waiting.popleft()
+            del self.waiting[position]
             request.shared_pages = []
             request.status = Status.RUNNING
             request.slot = self.slots.index(None)
@@ -352,6 +375,9 @@ class Scheduler:
         if request.slot is not None:
             self.slots[request.slot] = None
             request.slot = None
+        if request.lora_slot:
+            self.lora.release(request.lora_slot)
+            request.lora_slot = 0
         if request.pages:
             self.allocator.free(request.pages)
             request.pages = []
@@ -384,4 +410,5 @@ class Scheduler:
 
 def _extra_keys(request: Request) -> tuple:
     salt = request.params.cache_salt
-    return ("salt", salt) if salt is not None else ()
+    keys = ("salt", salt) if salt is not None else ()
+    return keys + request.lora.key if request.lora is not None else keys

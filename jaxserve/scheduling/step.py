@@ -51,6 +51,7 @@ class ScheduledSeq:
     suppress_ids: tuple[int, ...] = ()  # masked for this draw: EOS and stop tokens before min_tokens
     prompt_targets: tuple[int, ...] | None = None  # prompt logprobs: the prompt token after each span row
     pooling: int = 0  # pooling runner: how the step pools the span (jaxserve/pooling/config.py's kinds)
+    lora_slot: int = 0  # the device slot of its LoRA adapter; 0: the base model alone
 
     @property
     def samples(self) -> bool:
