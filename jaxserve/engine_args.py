@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     from sharding import ParallelConfig
 
@@ -43,8 +45,11 @@ class EngineArgs:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
     num_processes: int | None = None
     process_id: int | None = None
+    # vLLM's --speculative-config: JSON text or a dict, parsed into a SpeculativeConfig (see docs/speculative.md)
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():

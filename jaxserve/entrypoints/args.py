@@ -51,6 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="sampling defaults: 'auto' takes the model's generation_config.json (temperature, "
                         "top_p, top_k, min_p, repetition_penalty, max_new_tokens); 'vllm' uses none")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
+                        '"num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
     add_parallel_args(parser)
 
 

@@ -41,7 +41,7 @@ from sharding.rules import kv_cache_spec
 @dataclasses.dataclass
 class ManualStep:
     """`ModelRunner.run`'s answer, on the host."""
-    samples: np.ndarray  # [seqs] the token drawn after each sequence's span
+    samples: np.ndarray  # [seqs] the token drawn after each sequence's span (its first draw)
     logits: np.ndarray  # [tokens, vocab] float32, every row's
     rows: list[slice]  # each sequence's rows of `logits`
     results: StepResults  # everything else the step returned (logprobs), as numpy
@@ -56,19 +56,26 @@ class LaunchedStep:
 
     def sampled(self) -> SampledTokens:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
-        return SampledTokens.one_per_row(to_host(self.results.samples), self.step, self.logprobs)
+        rows = len(self.step.seqs)
+        draws = self.results.draws
+        accepted = to_host(draws.accepted)[:rows]
+        drew = np.fromiter((seq.samples for seq in self.step.seqs), np.bool_, rows)
+        return SampledTokens(to_host(draws.tokens)[:rows], np.where(drew, accepted, 0).astype(np.int32),
+                             self.logprobs)
 
     def logprobs(self) -> SampleLogprobs:
         r = jax.tree.map(to_host, self.results)
-        return SampleLogprobs(r.sample_logprob[:, None], r.sample_rank[:, None], r.top_ids[:, None],
-                              r.top_logprobs[:, None], r.prompt_logprob, r.prompt_rank, r.prompt_top_ids,
-                              r.prompt_top_logprobs)
+        d = r.draws
+        return SampleLogprobs(d.sample_logprob, d.sample_rank, d.top_ids, d.top_logprobs, r.prompt_logprob,
+                              r.prompt_rank, r.prompt_top_ids, r.prompt_top_logprobs)
 
 
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
-                 sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None):
+                 sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
+                 max_drafts: int = 0):
+        """`max_drafts`: draft tokens a sequence may verify per step (speculative decoding; 0: off)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -82,7 +89,7 @@ class ModelRunner:
         max_seqs = scheduler_config.max_num_seqs
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
-                                  sampler_config.max_logit_bias, max_seqs) for b in scheduler_config.token_buckets}
+                                  sampler_config.max_logit_bias, max_seqs, max_drafts) for b in scheduler_config.token_buckets}
         self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
         # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
         # (1 GB for a 1B model: ~1 s), which then overlaps warm-up's first compilation. Compiling needs only
@@ -185,9 +192,6 @@ class ModelRunner:
     def launch(self, step: StepPlan, masks: np.ndarray | None = None, with_logits: bool = False) -> LaunchedStep:
         """Dispatch one step of the plan; returns without waiting for the device. `masks`: the allowed-token
         bitmask of the plan's rows ([rows, ceil(vocab / 32)] int32), when some draw is constrained."""
-        if any(seq.num_draft_tokens for seq in step.seqs):
-            raise NotImplementedError("the step program draws once per sequence: verifying draft tokens is "
-                                      "not supported yet")
         layout = self.compiler.layout_for(step.num_tokens)
         ints, floats = self.builder.build(step, layout, constrained=masks is not None)
         if masks is not None:  # the plan's rows, then all-allowed padding rows up to the layout's
@@ -201,8 +205,9 @@ class ModelRunner:
         args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
-        self._prev_samples = results.samples
-        results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
+        self._prev_samples = results.draws.last
+        for out in (results.draws.tokens, results.draws.accepted):
+            out.copy_to_host_async()  # the engine reads them next iteration; start the copy now
         return LaunchedStep(step, results, logits)
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
@@ -212,7 +217,7 @@ class ModelRunner:
         out = self.launch(step, masks=masks, with_logits=True)
         bounds = np.cumsum([0] + [seq.num_tokens for seq in step.seqs])
         results = jax.tree.map(to_host, out.results)
-        return ManualStep(results.samples[:len(step.seqs)], to_host(out.logits),
+        return ManualStep(results.draws.tokens[:len(step.seqs), 0], to_host(out.logits),
                           [slice(a, b) for a, b in zip(bounds, bounds[1:])], results)
 
 

@@ -1,0 +1,77 @@
+"""The engine's side of speculative decoding: who drafts this step, and the drafts left for the scheduler.
+
+1. `wants_draws_first()`: drafting needs a sequence's newest token on the host, so when some sequence is
+   expected to draft, the engine reads the step in flight before planning the next one (the asynchronous
+   overlap is traded for several tokens per step). Above `disable_by_batch_size` running sequences, or
+   when no sequence's known tokens would give a draft, the engine keeps its one-step-ahead pipeline.
+2. `propose()` (on the critical path, timed) asks the proposer for every sequence that may speculate and
+   leaves the drafts on `Request.draft_token_ids`; the scheduler plans them into the sequence's span.
+3. `prepare()` runs while the device computes a step: the proposer catches up on new tokens and guesses
+   which sequences will draft next time.
+A sequence may speculate only where verification draws exactly what a plain step would: no grammar
+(its masks follow each token), no presence, frequency or repetition penalty (their counts follow each
+token), and no `min_tokens` still suppressing EOS (its mask follows the count). Such a sequence proposes
+nothing; its distribution is never changed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.scheduling.request import Request
+from jaxserve.speculative.proposer import Proposer
+
+
+def exact_per_position(request: Request) -> bool:
+    """Whether verifying drafts after this request's tokens draws exactly as plain steps would."""
+    p = request.params
+    return (not request.constrained and p.presence_penalty == 0 and p.frequency_penalty == 0
+            and p.repetition_penalty == 1 and request.num_output_tokens >= p.min_tokens)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+        self.config = config
+        self.proposer = proposer
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.propose_seconds = 0.0  # host time on the critical path (proposing), for the log and metrics
+        self.prepare_seconds = 0.0  # host time overlapped with the device (indexing, guessing)
+        self.proposals = 0  # propose() calls
+        self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
+        self._known: set[int] = set()
+
+    def enabled_for(self, running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or running < limit
+
+    def candidates(self, requests: Sequence[Request]) -> list[Request]:
+        if not self.enabled_for(len(requests)):
+            return []
+        return [r for r in requests if r.is_decoding and r.num_tokens < r.max_len - 1 and exact_per_position(r)]
+
+    def wants_draws_first(self, running: Sequence[Request]) -> bool:
+        """Whether to read the step in flight before planning: some sequence is expected to draft."""
+        return self.enabled_for(len(running)) and any(r.key in self._hopeful for r in running)
+
+    def propose(self, running: Sequence[Request]) -> None:
+        start = time.perf_counter()
+        ready = [r for r in self.candidates(running) if not r.num_pending]
+        if ready:
+            for request, drafts in zip(ready, self.proposer.propose(ready)):
+                request.draft_token_ids = drafts[:self.num_speculative_tokens]
+        self.proposals += 1
+        self.propose_seconds += time.perf_counter() - start
+
+    def prepare(self, running: Sequence[Request]) -> None:
+        start = time.perf_counter()
+        keys = {r.key for r in running}
+        gone = self._known - keys
+        if gone:
+            self.proposer.forget(list(gone))
+        self._known = keys
+        candidates = self.candidates(running)
+        self.proposer.prepare(candidates)
+        self._hopeful = {r.key for r in candidates if self.proposer.expects_drafts(r)}
+        self.prepare_seconds += time.perf_counter() - start
