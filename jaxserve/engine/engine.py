@@ -69,7 +69,7 @@ class Engine:
         self.stats = EngineStats()
         self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
                                       self.scheduler_config.max_model_len)
-        self.speculator = build_speculator(args.speculative_config, built, self.runner)
+        self.speculator = build_speculator(args.speculative_config, built, self.runner, self.scheduler)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
         self.compilations_at_warmup: int | None = None
@@ -100,6 +100,8 @@ class Engine:
             self.startup_seconds["all_programs"] = time.perf_counter() - self._started
 
         self.runner.warmup(background=background, on_done=done)
+        if self.speculator is not None:
+            self.speculator.warmup()
         self.compilations_at_warmup = self.compile_events.lowered
         self.startup_seconds["compile"] = time.perf_counter() - start
         self.startup_seconds["total"] = time.perf_counter() - self._started
@@ -203,6 +205,8 @@ class Engine:
         launched = None
         if not plan.empty:
             launched = self.runner.launch(plan, masks=self.tracker.grammar_masks(plan))
+            if self.speculator is not None:
+                self.speculator.observe(launched)
             self.stats.count_step(plan)
         # While the device runs the step just launched, advance requests by the one before it.
         if self._in_flight is not None:

@@ -53,6 +53,11 @@ class LaunchedStep:
     step: StepPlan | None
     results: StepResults
     logits: jax.Array | None  # [tokens, vocab] float32, when asked for
+    # What the step ran on, for a draft model that follows the target's tokens (`jaxserve/speculative/`).
+    layout: BatchLayout | None = None
+    ints: np.ndarray | None = None
+    floats: np.ndarray | None = None
+    prev_samples: jax.Array | None = None  # [max_num_seqs] the previous step's last standing tokens
 
     def sampled(self) -> SampledTokens:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
@@ -202,13 +207,14 @@ class ModelRunner:
                   masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
-        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks)
+        prev_samples = self._prev_samples
+        args = (self._param_leaves, self.kv_cache, self.sampler_state, prev_samples, ints, floats, masks)
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
         self._prev_samples = results.draws.last
         for out in (results.draws.tokens, results.draws.accepted):
             out.copy_to_host_async()  # the engine reads them next iteration; start the copy now
-        return LaunchedStep(step, results, logits)
+        return LaunchedStep(step, results, logits, layout, ints, floats, prev_samples)
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has

@@ -11,8 +11,9 @@ from jaxserve.speculative.speculator import Speculator
 logger = logging.getLogger(__name__)
 
 
-def build_speculator(config: SpeculativeConfig | None, built, runner) -> Speculator | None:
-    """`built`: the target's `BuiltModel`; `runner`: its model runner (a draft model shares its mesh)."""
+def build_speculator(config: SpeculativeConfig | None, built, runner, scheduler) -> Speculator | None:
+    """`built`: the target's `BuiltModel`; `runner`: its model runner (a draft model shares its mesh);
+    `scheduler`: told to hold pages ahead for a draft model's own K/V."""
     if config is None:
         return None
     if config.method == "ngram":
@@ -22,6 +23,7 @@ def build_speculator(config: SpeculativeConfig | None, built, runner) -> Specula
         from jaxserve.speculative.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.build(config, built, runner)
+        scheduler.lookahead = config.num_speculative_tokens
         detail = f"draft model {proposer.name}"
     logger.info("speculative decoding: %s, %d draft tokens per step, %s", config.method,
                 config.num_speculative_tokens, detail +

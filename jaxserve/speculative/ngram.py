@@ -45,6 +45,9 @@ class NgramProposer:
         index.extend(request.token_ids)
         return index
 
+    def observe(self, launched) -> None:
+        pass  # drafts come from the host's tokens alone
+
     def prepare(self, requests: Sequence[Request]) -> None:
         for request in requests:
             self._index(request)

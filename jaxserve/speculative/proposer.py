@@ -19,6 +19,10 @@ class Proposer(Protocol):
         """Off the critical path (while the device runs a step): catch up on the requests' known tokens, so
         that `propose` has only the newest few left to look at."""
 
+    def observe(self, launched) -> None:
+        """A target step was just dispatched (a `LaunchedStep`: its plan, device inputs and results, still
+        on the device). A device-side proposer dispatches its own work here, right behind it."""
+
     def expects_drafts(self, request: Request) -> bool:
         """A cheap guess, from the known tokens, whether `propose` would draft for the request next step
         (the engine gives up its one-step-ahead pipeline only when some sequence is expected to draft)."""

@@ -49,7 +49,8 @@ class Speculator:
     def candidates(self, requests: Sequence[Request]) -> list[Request]:
         if not self.enabled_for(len(requests)):
             return []
-        return [r for r in requests if r.is_decoding and r.num_tokens < r.max_len - 1 and exact_per_position(r)]
+        return [r for r in requests if r.is_decoding and not r.is_prefilling and r.num_tokens < r.max_len - 1
+                and exact_per_position(r)]
 
     def wants_draws_first(self, running: Sequence[Request]) -> bool:
         """Whether to read the step in flight before planning: some sequence is expected to draft."""
@@ -63,6 +64,14 @@ class Speculator:
                 request.draft_token_ids = drafts[:self.num_speculative_tokens]
         self.proposals += 1
         self.propose_seconds += time.perf_counter() - start
+
+    def warmup(self) -> None:
+        warmup = getattr(self.proposer, "warmup", None)
+        if warmup is not None:
+            warmup()
+
+    def observe(self, launched) -> None:
+        self.proposer.observe(launched)
 
     def prepare(self, running: Sequence[Request]) -> None:
         start = time.perf_counter()

@@ -1,0 +1,161 @@
+"""Speculative decoding on stories260K, against the same engine without it: greedy and seeded outputs
+token for token, a sampled distribution by a chi-square test, no compilation after warm-up, no leaks."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.page_checks import assert_pages_released
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SHAPES = dict(max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32))
+
+# Prompts whose continuations reuse spans of them (n-gram drafts get accepted), and ones that do not.
+PROMPTS = ["Once upon a time", "Lily and Tom went to the park. Lily and Tom went to the",
+           "The cat sat on the mat. The cat sat on the", "Tim had a red ball. Tim liked his red ball. Tim",
+           "One day, a little bird", "She said, \"I am happy!\" He said, \"I am"]
+
+
+@pytest.fixture(scope="module")
+def plain(stories_dir):
+    return LLM(str(stories_dir), **SHAPES)
+
+
+@pytest.fixture(scope="module")
+def speculative(stories_dir):
+    return LLM(str(stories_dir), speculative_config=SPEC, **SHAPES)
+
+
+def ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_greedy_story_and_prompts_are_token_identical(plain, speculative, story_text):
+    greedy = SamplingParams(temperature=0, max_tokens=80)
+    story = speculative.generate([[1]], SamplingParams(temperature=0, max_tokens=60))[0].outputs[0].text
+    assert story.strip().startswith(story_text[:120])
+    before = speculative.engine.stats.spec_accepted_tokens
+    assert ids(speculative.generate(PROMPTS, greedy)) == ids(plain.generate(PROMPTS, greedy))
+    assert speculative.engine.stats.spec_accepted_tokens > before  # drafts were verified and some stood
+
+
+def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothing(plain, speculative):
+    """Greedy and seeded requests of every length, with logprobs, n > 1, stop strings, penalties (which do
+    not speculate), min_tokens and logit_bias, all in one batch: identical outputs either way."""
+    rng = random.Random(5)
+    story_ids = plain.get_tokenizer().encode(" ".join(PROMPTS))
+    prompts, params = [], []
+    for i in range(200):
+        start = rng.randrange(len(story_ids) - 2)
+        prompts.append([1] + story_ids[start:start + rng.randint(1, 40)])
+        extra = rng.choice([{}, {}, {"logprobs": 3}, {"n": 2}, {"stop": ["."]}, {"presence_penalty": 0.5},
+                            {"min_tokens": 5}, {"logit_bias": {13: 3.0}}, {"top_k": 20, "top_p": 0.9}])
+        temperature = rng.choice([0, 0, 0.8])
+        params.append(SamplingParams(temperature=temperature, seed=i if temperature else None,
+                                     max_tokens=rng.randint(extra.get("min_tokens", 1), 40), **extra))
+    got, want = speculative.generate(prompts, params), plain.generate(prompts, params)
+    assert ids(got) == ids(want)
+    for g, w in zip(got, want):
+        assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
+        for gc, wc in zip(g.outputs, w.outputs):
+            if wc.logprobs is not None:  # the target's logprobs of each accepted token, at its own position
+                np.testing.assert_allclose([e[t].logprob for e, t in zip(gc.logprobs, gc.token_ids)],
+                                           [e[t].logprob for e, t in zip(wc.logprobs, wc.token_ids)], atol=1e-4)
+    engine = speculative.engine
+    assert engine.compilations_since_warmup == 0
+    assert_pages_released(engine.scheduler)
+    stats = engine.stats
+    assert stats.spec_drafts > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    per_pos = stats.spec_accepted_per_pos
+    assert len(per_pos) == SPEC["num_speculative_tokens"] and per_pos == sorted(per_pos, reverse=True)
+
+
+def test_sequences_that_cannot_verify_exactly_propose_nothing(speculative):
+    engine = speculative.engine
+    before = engine.stats.spec_drafts
+    prompt = "Lily and Tom went to the park. Lily and Tom went to the"
+    speculative.generate([prompt], SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3))
+    assert engine.stats.spec_drafts == before
+
+
+class BigramDrafts:
+    """A draft "model" that disagrees with the target often: after each token, the token that most often
+    followed it in a fixed text (none: the token itself)."""
+
+    def __init__(self, text_ids: list[int], k: int):
+        follow: dict[int, Counter] = {}
+        for a, b in zip(text_ids, text_ids[1:]):
+            follow.setdefault(a, Counter())[b] += 1
+        self.next = {a: c.most_common(1)[0][0] for a, c in follow.items()}
+        self.num_speculative_tokens = k
+
+    def prepare(self, requests):
+        pass
+
+    def observe(self, launched):
+        pass
+
+    def expects_drafts(self, request):
+        return True
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            drafts, last = [], r.token_ids[-1]
+            for _ in range(self.num_speculative_tokens):
+                last = self.next.get(last, last)
+                drafts.append(last)
+            out.append(drafts)
+        return out
+
+    def forget(self, keys):
+        pass
+
+
+def chi_square_two_sample(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's statistic for two equal-size samples over the tokens both drew (bins under 5 pooled)."""
+    bins, pooled = [], [0, 0]
+    for token in set(a) | set(b):
+        if a[token] + b[token] >= 10:
+            bins.append((a[token], b[token]))
+        else:
+            pooled[0] += a[token]
+            pooled[1] += b[token]
+    bins.append(tuple(pooled))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in bins if x + y)
+    return stat, len(bins) - 1
+
+
+def test_sampled_tokens_keep_the_target_distribution(plain, speculative):
+    """The token drawn at a fixed position over many seeds, with a draft proposer that is often wrong,
+    against the same position without speculation under other seeds: a two-sample chi-square test."""
+    engine = speculative.engine
+    tokenizer = plain.get_tokenizer()
+    real, engine.speculator.proposer = engine.speculator.proposer, BigramDrafts(
+        tokenizer.encode(" ".join(PROMPTS * 3)), SPEC["num_speculative_tokens"])
+    try:
+        before = (engine.stats.spec_draft_tokens, engine.stats.spec_accepted_tokens)
+        n, position = 600, 3
+        prompt = "Once upon a time"
+
+        def histogram(llm, first_seed):
+            params = [SamplingParams(temperature=1.0, seed=first_seed + i, max_tokens=position + 1,
+                                     ignore_eos=True) for i in range(n)]
+            return Counter(o.outputs[0].token_ids[position] for o in llm.generate([prompt] * n, params))
+
+        with_drafts, without = histogram(speculative, 10_000), histogram(plain, 0)
+    finally:
+        engine.speculator.proposer = real
+    drafted, accepted = engine.stats.spec_draft_tokens - before[0], engine.stats.spec_accepted_tokens - before[1]
+    assert drafted > n and 0 < accepted < drafted / 2  # it disagreed often, and agreed sometimes
+    stat, dof = chi_square_two_sample(with_drafts, without)
+    # The 99.9% quantile of chi-square(dof), by Wilson and Hilferty's approximation.
+    z = 3.09
+    bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert dof >= 5 and stat < bound, (stat, dof, bound)
