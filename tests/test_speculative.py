@@ -3,12 +3,16 @@ token for token, a sampled distribution by a chi-square test, no compilation aft
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+from safetensors.numpy import load_file, save_file
 
 from jaxserve import LLM, SamplingParams
 from tests.page_checks import assert_pages_released
@@ -32,6 +36,25 @@ def speculative(stories_dir):
     return LLM(str(stories_dir), speculative_config=SPEC, **SHAPES)
 
 
+def truncated_draft(stories_dir: Path, out: Path, layers: int) -> Path:
+    """stories260K cut to its first `layers` layers (embeddings, norm and head kept): a draft model with the
+    target's vocabulary that disagrees with it often."""
+    tensors = {name: t for name, t in load_file(stories_dir / "model.safetensors").items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((stories_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafted(stories_dir, tmp_path_factory):
+    draft = truncated_draft(stories_dir, tmp_path_factory.mktemp("draft") / "stories-3-layers", 3)
+    return LLM(str(stories_dir), speculative_config={"method": "draft_model", "model": str(draft),
+                                                     "num_speculative_tokens": 3}, **SHAPES)
+
+
 def ids(outputs):
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
@@ -45,13 +68,11 @@ def test_greedy_story_and_prompts_are_token_identical(plain, speculative, story_
     assert speculative.engine.stats.spec_accepted_tokens > before  # drafts were verified and some stood
 
 
-def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothing(plain, speculative):
-    """Greedy and seeded requests of every length, with logprobs, n > 1, stop strings, penalties (which do
-    not speculate), min_tokens and logit_bias, all in one batch: identical outputs either way."""
+def mixed_workload(tokenizer, count: int):
     rng = random.Random(5)
-    story_ids = plain.get_tokenizer().encode(" ".join(PROMPTS))
+    story_ids = tokenizer.encode(" ".join(PROMPTS))
     prompts, params = [], []
-    for i in range(200):
+    for i in range(count):
         start = rng.randrange(len(story_ids) - 2)
         prompts.append([1] + story_ids[start:start + rng.randint(1, 40)])
         extra = rng.choice([{}, {}, {"logprobs": 3}, {"n": 2}, {"stop": ["."]}, {"presence_penalty": 0.5},
@@ -59,6 +80,15 @@ def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothi
         temperature = rng.choice([0, 0, 0.8])
         params.append(SamplingParams(temperature=temperature, seed=i if temperature else None,
                                      max_tokens=rng.randint(extra.get("min_tokens", 1), 40), **extra))
+    return prompts, params
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothing(method, request, plain):
+    """Greedy and seeded requests of every length, with logprobs, n > 1, stop strings, penalties (which do
+    not speculate), min_tokens and logit_bias, all in one batch: identical outputs either way."""
+    speculative = request.getfixturevalue("speculative" if method == "ngram" else "drafted")
+    prompts, params = mixed_workload(plain.get_tokenizer(), 200)
     got, want = speculative.generate(prompts, params), plain.generate(prompts, params)
     assert ids(got) == ids(want)
     for g, w in zip(got, want):
@@ -73,7 +103,7 @@ def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothi
     stats = engine.stats
     assert stats.spec_drafts > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     per_pos = stats.spec_accepted_per_pos
-    assert len(per_pos) == SPEC["num_speculative_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    assert len(per_pos) == engine.speculator.num_speculative_tokens and per_pos == sorted(per_pos, reverse=True)
 
 
 def test_sequences_that_cannot_verify_exactly_propose_nothing(speculative):
@@ -82,40 +112,6 @@ def test_sequences_that_cannot_verify_exactly_propose_nothing(speculative):
     prompt = "Lily and Tom went to the park. Lily and Tom went to the"
     speculative.generate([prompt], SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3))
     assert engine.stats.spec_drafts == before
-
-
-class BigramDrafts:
-    """A draft "model" that disagrees with the target often: after each token, the token that most often
-    followed it in a fixed text (none: the token itself)."""
-
-    def __init__(self, text_ids: list[int], k: int):
-        follow: dict[int, Counter] = {}
-        for a, b in zip(text_ids, text_ids[1:]):
-            follow.setdefault(a, Counter())[b] += 1
-        self.next = {a: c.most_common(1)[0][0] for a, c in follow.items()}
-        self.num_speculative_tokens = k
-
-    def prepare(self, requests):
-        pass
-
-    def observe(self, launched):
-        pass
-
-    def expects_drafts(self, request):
-        return True
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            drafts, last = [], r.token_ids[-1]
-            for _ in range(self.num_speculative_tokens):
-                last = self.next.get(last, last)
-                drafts.append(last)
-            out.append(drafts)
-        return out
-
-    def forget(self, keys):
-        pass
 
 
 def chi_square_two_sample(a: Counter, b: Counter) -> tuple[float, int]:
@@ -132,28 +128,23 @@ def chi_square_two_sample(a: Counter, b: Counter) -> tuple[float, int]:
     return stat, len(bins) - 1
 
 
-def test_sampled_tokens_keep_the_target_distribution(plain, speculative):
-    """The token drawn at a fixed position over many seeds, with a draft proposer that is often wrong,
+def test_sampled_tokens_keep_the_target_distribution(plain, drafted):
+    """The token drawn at a fixed position over many seeds, with a draft model that is often wrong,
     against the same position without speculation under other seeds: a two-sample chi-square test."""
-    engine = speculative.engine
-    tokenizer = plain.get_tokenizer()
-    real, engine.speculator.proposer = engine.speculator.proposer, BigramDrafts(
-        tokenizer.encode(" ".join(PROMPTS * 3)), SPEC["num_speculative_tokens"])
-    try:
-        before = (engine.stats.spec_draft_tokens, engine.stats.spec_accepted_tokens)
-        n, position = 600, 3
-        prompt = "Once upon a time"
+    engine = drafted.engine
+    before = (engine.stats.spec_draft_tokens, engine.stats.spec_accepted_tokens)
+    n, position = 600, 3
+    prompt = "Once upon a time"
 
-        def histogram(llm, first_seed):
-            params = [SamplingParams(temperature=1.0, seed=first_seed + i, max_tokens=position + 1,
-                                     ignore_eos=True) for i in range(n)]
-            return Counter(o.outputs[0].token_ids[position] for o in llm.generate([prompt] * n, params))
+    def histogram(llm, first_seed):
+        params = [SamplingParams(temperature=1.0, seed=first_seed + i, max_tokens=position + 1, ignore_eos=True)
+                  for i in range(n)]
+        return Counter(o.outputs[0].token_ids[position] for o in llm.generate([prompt] * n, params))
 
-        with_drafts, without = histogram(speculative, 10_000), histogram(plain, 0)
-    finally:
-        engine.speculator.proposer = real
-    drafted, accepted = engine.stats.spec_draft_tokens - before[0], engine.stats.spec_accepted_tokens - before[1]
-    assert drafted > n and 0 < accepted < drafted / 2  # it disagreed often, and agreed sometimes
+    with_drafts, without = histogram(drafted, 10_000), histogram(plain, 0)
+    drafted_tokens = engine.stats.spec_draft_tokens - before[0]
+    accepted = engine.stats.spec_accepted_tokens - before[1]
+    assert drafted_tokens > n and 0 < accepted < drafted_tokens / 2  # it disagreed often, and agreed sometimes
     stat, dof = chi_square_two_sample(with_drafts, without)
     # The 99.9% quantile of chi-square(dof), by Wilson and Hilferty's approximation.
     z = 3.09

@@ -214,6 +214,7 @@ class Engine:
         self._in_flight = launched
         if speculator is not None:  # while the device runs the step
             speculator.prepare(self.scheduler.running)
+            speculator.log_if_due(self.stats)
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:

@@ -27,7 +27,8 @@ class LLM:
         the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
-        pipeline_parallel_size, distributed_coordinator, num_processes, process_id."""
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, speculative_config
+        (vLLM's dict, docs/speculative.md)."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)

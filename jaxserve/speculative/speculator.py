@@ -16,12 +16,16 @@ nothing; its distribution is never changed.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Sequence
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.scheduling.request import Request
 from jaxserve.speculative.proposer import Proposer
+
+logger = logging.getLogger(__name__)
+LOG_INTERVAL_SECONDS = 10.0
 
 
 def exact_per_position(request: Request) -> bool:
@@ -41,6 +45,8 @@ class Speculator:
         self.proposals = 0  # propose() calls
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
+        self._logged_at = time.monotonic()
+        self._logged_counts = (0, 0, 0)
 
     def enabled_for(self, running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -64,6 +70,22 @@ class Speculator:
                 request.draft_token_ids = drafts[:self.num_speculative_tokens]
         self.proposals += 1
         self.propose_seconds += time.perf_counter() - start
+
+    def log_if_due(self, stats) -> None:
+        """Every few seconds while drafts are verified, vLLM's summary: acceptance, mean accepted length,
+        per position, and the proposer's host time per step (`stats`: the engine's `EngineStats`)."""
+        now = time.monotonic()
+        counts = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+        if now - self._logged_at < LOG_INTERVAL_SECONDS or counts == self._logged_counts:
+            return
+        drafts, drafted, accepted = (a - b for a, b in zip(counts, self._logged_counts))
+        self._logged_at, self._logged_counts = now, counts
+        per_position = [f"{a / stats.spec_drafts:.2f}" for a in stats.spec_accepted_per_pos]
+        logger.info("speculative decoding: %d drafts, acceptance %.1f%%, mean accepted length %.2f; since start: "
+                    "per position %s, proposer %.2f ms per step on the critical path (%.2f ms overlapped)",
+                    drafts, 100 * accepted / max(drafted, 1), 1 + accepted / max(drafts, 1),
+                    ", ".join(per_position), 1e3 * self.propose_seconds / max(self.proposals, 1),
+                    1e3 * self.prepare_seconds / max(self.proposals, 1))
 
     def warmup(self) -> None:
         warmup = getattr(self.proposer, "warmup", None)
