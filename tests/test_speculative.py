@@ -106,6 +106,18 @@ def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothi
     assert len(per_pos) == engine.speculator.num_speculative_tokens and per_pos == sorted(per_pos, reverse=True)
 
 
+def test_preemption_with_drafts_in_flight_gives_the_same_tokens(stories_dir, plain):
+    """Too few KV pages for every running sequence: the newest are preempted (drafts and all) and
+    recomputed later, and every output is still what the engine without speculation gives."""
+    tight = LLM(str(stories_dir), speculative_config=SPEC, num_pages=24, **SHAPES)
+    prompts, params = mixed_workload(plain.get_tokenizer(), 24)
+    assert ids(tight.generate(prompts, params)) == ids(plain.generate(prompts, params))
+    engine = tight.engine
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_accepted_tokens > 0
+    assert engine.compilations_since_warmup == 0
+    assert_pages_released(engine.scheduler)
+
+
 def test_sequences_that_cannot_verify_exactly_propose_nothing(speculative):
     engine = speculative.engine
     before = engine.stats.spec_drafts
