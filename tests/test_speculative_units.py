@@ -147,3 +147,29 @@ def test_acceptance_is_counted_per_draft_position():
     stats.count_drafts(2, 0)
     assert (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens) == (2, 5, 2)
     assert stats.spec_accepted_per_pos == [1, 1, 0] and stats.spec_mean_accepted_length == 2.0
+
+
+def test_a_sequence_whose_drafts_keep_failing_is_not_waited_for_a_while():
+    """Reading the step in flight first idles the device; it pays off only while drafts stand."""
+    from jaxserve.scheduling.request import Status
+    from jaxserve.speculative import speculator as module
+
+    speculator = Speculator(SpeculativeConfig("ngram", 2), NgramProposer(2, 1, 1))
+    r = request([1, 2, 3, 4, 5, 6, 7, 8, 9])  # each token followed by the next: after t, "t + 1 ..." is drafted
+    r.token_ids.append(1)  # its first output token, known
+    r.status, r.num_computed, r.prefill_target = Status.RUNNING, 9, 9
+    speculator.prepare([r])
+    assert speculator.wants_draws_first([r])
+    for _ in range(2):  # the target drew t + 2 instead: no draft stood, twice
+        speculator.propose([r])
+        drafted = r.draft_token_ids[0]
+        assert drafted == r.token_ids[-1] + 1
+        r.draft_token_ids = []
+        r.token_ids.append(drafted + 1)
+        r.num_computed = len(r.token_ids) - 1
+    speculator.propose([r])
+    speculator.prepare([r])
+    assert not speculator.wants_draws_first([r])
+    speculator.proposals += module.RETRY_STEPS
+    speculator.prepare([r])
+    assert speculator.wants_draws_first([r])

@@ -152,7 +152,7 @@ class BatchBuilder:
                 tokens.extend(seq.token_ids)
         b.tokens[:total] = tokens
         b.kv_lens[:n] = starts + lens
-        self._draw_rows(seqs, cu[1:n + 1], b)
+        self._draw_rows(seqs, cu[1:n + 1], b, layout)
         b.page_tables[:n] = self.tables[slots]
         always, processing = layout.sources
         for path, get in always:
@@ -168,7 +168,7 @@ class BatchBuilder:
         return ints, floats
 
     @staticmethod
-    def _draw_rows(seqs: list[ScheduledSeq], ends: np.ndarray, b: StepBatch) -> None:
+    def _draw_rows(seqs: list[ScheduledSeq], ends: np.ndarray, b: StepBatch, layout: BatchLayout) -> None:
         """Each sequence's draw rows: its last `drafts + 1` tokens, whose logits decide the token after each."""
         n = len(seqs)
         drafts = np.fromiter((s.num_draft_tokens for s in seqs), np.int32, n)
@@ -177,6 +177,9 @@ class BatchBuilder:
             b.row_seq[:n] = np.arange(n)
             b.row_pos[:n] = 0
             return
+        if drafts.max() > layout.max_drafts:
+            raise ValueError(f"a sequence verifies {drafts.max()} draft tokens; the step programs were built for "
+                             f"at most {layout.max_drafts} (speculative_config's num_speculative_tokens)")
         counts = drafts + 1
         first = np.cumsum(counts) - counts
         total = int(counts.sum())

@@ -7,7 +7,10 @@
 2. `propose()` (on the critical path, timed) asks the proposer for every sequence that may speculate and
    leaves the drafts on `Request.draft_token_ids`; the scheduler plans them into the sequence's span.
 3. `prepare()` runs while the device computes a step: the proposer catches up on new tokens and guesses
-   which sequences will draft next time.
+   which sequences will draft next time. A sequence whose drafts have lately stood less than
+   `PAYOFF_TOKENS` per verification (random text under prompt lookup) is not waited for during the next
+   `RETRY_STEPS` steps: reading the step in flight first idles the device for the host's planning, which
+   only pays off when drafts stand.
 A sequence may speculate only where verification draws exactly what a plain step would: no grammar
 (its masks follow each token), no presence, frequency or repetition penalty (their counts follow each
 token), and no `min_tokens` still suppressing EOS (its mask follows the count). Such a sequence proposes
@@ -26,6 +29,8 @@ from jaxserve.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_SECONDS = 10.0
+PAYOFF_TOKENS = 0.5  # accepted drafts per verification (moving average) below which a sequence is benched
+RETRY_STEPS = 32  # steps a benched sequence is not waited for
 
 
 def exact_per_position(request: Request) -> bool:
@@ -45,6 +50,9 @@ class Speculator:
         self.proposals = 0  # propose() calls
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
+        self._verifying: dict[int, tuple[int, int]] = {}  # key -> (known tokens when it drafted, drafts)
+        self._payoff: dict[int, float] = {}  # key -> moving average of its accepted drafts per verification
+        self._benched_until: dict[int, int] = {}  # key -> the proposal count when it may be waited for again
         self._logged_at = time.monotonic()
         self._logged_counts = (0, 0, 0)
 
@@ -64,12 +72,29 @@ class Speculator:
 
     def propose(self, running: Sequence[Request]) -> None:
         start = time.perf_counter()
+        self._settle(running)
         ready = [r for r in self.candidates(running) if not r.num_pending]
         if ready:
             for request, drafts in zip(ready, self.proposer.propose(ready)):
                 request.draft_token_ids = drafts[:self.num_speculative_tokens]
+                if drafts:
+                    self._verifying[request.key] = (len(request.token_ids), len(request.draft_token_ids))
         self.proposals += 1
         self.propose_seconds += time.perf_counter() - start
+
+    def _settle(self, running: Sequence[Request]) -> None:
+        """How many drafts stood for each sequence whose verification the host has read since."""
+        for request in running:
+            verifying = self._verifying.get(request.key)
+            if verifying is None or request.num_pending or len(request.token_ids) <= verifying[0]:
+                continue
+            del self._verifying[request.key]
+            accepted = min(len(request.token_ids) - verifying[0] - 1, verifying[1])
+            payoff = (self._payoff.get(request.key, 1.0) + accepted) / 2
+            if payoff < PAYOFF_TOKENS:
+                self._benched_until[request.key] = self.proposals + RETRY_STEPS
+                payoff = PAYOFF_TOKENS  # one more chance once it is back
+            self._payoff[request.key] = payoff
 
     def log_if_due(self, stats) -> None:
         """Every few seconds while drafts are verified, vLLM's summary: acceptance, mean accepted length,
@@ -101,8 +126,12 @@ class Speculator:
         gone = self._known - keys
         if gone:
             self.proposer.forget(list(gone))
+            for key in gone:
+                for kept in (self._verifying, self._payoff, self._benched_until):
+                    kept.pop(key, None)
         self._known = keys
         candidates = self.candidates(running)
         self.proposer.prepare(candidates)
-        self._hopeful = {r.key for r in candidates if self.proposer.expects_drafts(r)}
+        self._hopeful = {r.key for r in candidates if self._benched_until.get(r.key, 0) <= self.proposals
+                         and self.proposer.expects_drafts(r)}
         self.prepare_seconds += time.perf_counter() - start
