@@ -109,8 +109,9 @@ def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothi
 def test_preemption_with_drafts_in_flight_gives_the_same_tokens(stories_dir, plain):
     """Too few KV pages for every running sequence: the newest are preempted (drafts and all) and
     recomputed later, and every output is still what the engine without speculation gives."""
-    tight = LLM(str(stories_dir), speculative_config=SPEC, num_pages=24, **SHAPES)
-    prompts, params = mixed_workload(plain.get_tokenizer(), 24)
+    tight = LLM(str(stories_dir), speculative_config=SPEC, num_pages=24, max_model_len=128, **SHAPES)
+    prompts, _ = mixed_workload(plain.get_tokenizer(), 16)
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=60, ignore_eos=True) for i in range(16)]
     assert ids(tight.generate(prompts, params)) == ids(plain.generate(prompts, params))
     engine = tight.engine
     assert engine.scheduler.num_preemptions > 0 and engine.stats.spec_accepted_tokens > 0

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -45,7 +44,6 @@ from sharding import ParallelConfig, make_plan
 from sharding.loading import zeros
 from sharding.rules import kv_cache_spec
 
-logger = logging.getLogger(__name__)
 
 
 class DraftModelProposer:
