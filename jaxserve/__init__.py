@@ -6,7 +6,8 @@ assembly), `speculative` (draft proposers for speculative decoding), `scheduling
 cache, and `update_from_output`), `execution` (the device batch, the compiled step, the runner),
 `sampling` (sampling parameters, the sampler, logits processing, grammars), `model` and `loader`
 (model definitions, checkpoints onto the mesh), `text` (tokenizer, chat templates, detokenizer) and
-`bench`. Imports only point down this list (`tests/test_import_graph.py` checks it).
+`bench`. Imports only point down this list (`tests/test_import_graph.py` checks it). `pooling` (the
+pooling runner's config, in-step pooling and parameters) imports only leaf modules, so any room may use it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 _EXPORTS = {"LLM": "jaxserve.entrypoints.llm", "SamplingParams": "jaxserve.sampling.params",
             "Workbench": "jaxserve.entrypoints.research", "Engine": "jaxserve.engine.engine",
             "EngineArgs": "jaxserve.engine_args", "RequestOutput": "jaxserve.outputs",
-            "CompletionOutput": "jaxserve.outputs"}
+            "CompletionOutput": "jaxserve.outputs", "PoolingParams": "jaxserve.pooling.params",
+            "EmbeddingRequestOutput": "jaxserve.pooling.params"}
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.entrypoints.research import Workbench
     from jaxserve.outputs import CompletionOutput, RequestOutput
+    from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
     from jaxserve.sampling.params import SamplingParams
 
 

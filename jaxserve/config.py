@@ -39,6 +39,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # False for a pooling runner: it stops at the final norm, so an untied LM head is neither loaded nor
+    # required (embedding checkpoints saved as the bare decoder have none).
+    has_lm_head: bool = True
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -132,8 +135,21 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget of one step: decodes + prefill chunks
     # Padded token counts of a step, one compiled program each; default: powers of two up to the budget.
     token_buckets: tuple[int, ...] | None = None
+    # Which waiting request runs first (vLLM's --scheduling-policy): "fcfs" (arrival order) or "priority"
+    # (lower `priority` first, ties by arrival; a higher-priority arrival may preempt a lower one).
+    scheduling_policy: str = "fcfs"
+    # Inter-token latency a step that carries decodes should stay under, in seconds: its prefill share is
+    # cut to what the step-time model predicts fits (scheduling/step_cost.py). None: derived from the
+    # decode step measured at warm-up (no cap before a measurement); 0: no cap.
+    target_itl: float | None = None
+    # vLLM's knobs: a prefill chunk holds at most this many tokens (0: no limit), and at most this many
+    # sequences prefill in one step (None: as many as the budget allows).
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int | None = None
 
     def __post_init__(self):
+        validate_scheduling_options(self.scheduling_policy, self.target_itl, self.long_prefill_token_threshold,
+                                    self.max_num_partial_prefills)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
@@ -165,6 +181,18 @@ class SamplerConfig:
             raise ValueError(f"max_logprobs must be in [1, 1024], got {self.max_logprobs}")
         if not 1 <= self.max_logit_bias <= 65536:
             raise ValueError(f"max_logit_bias must be in [1, 65536], got {self.max_logit_bias}")
+
+
+def validate_scheduling_options(policy: str, target_itl: float | None, long_prefill_token_threshold: int,
+                                max_num_partial_prefills: int | None) -> None:
+    if policy not in ("fcfs", "priority"):
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+    if target_itl is not None and target_itl < 0:
+        raise ValueError(f"the inter-token latency target must be >= 0 (0: no cap), got {target_itl}")
+    if long_prefill_token_threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
+    if max_num_partial_prefills is not None and max_num_partial_prefills < 1:
+        raise ValueError(f"max_num_partial_prefills must be >= 1, got {max_num_partial_prefills}")
 
 
 def default_token_buckets(budget: int) -> tuple[int, ...]:

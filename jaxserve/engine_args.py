@@ -13,7 +13,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.config import SpeculativeConfig
+from jaxserve.config import SpeculativeConfig, validate_scheduling_options
+from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
     from sharding import ParallelConfig
@@ -36,6 +37,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
+    scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt
+    target_itl_ms: float | None = None  # ITL cap on steps that carry decodes; None: derived at warm-up; 0: off
+    long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk (0: no limit)
+    max_num_partial_prefills: int | None = None  # most sequences prefilling in one step (None: no limit)
     attention_backend: str = "auto"
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
     max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
@@ -45,11 +50,19 @@ class EngineArgs:
     distributed_coordinator: str | None = None  # HOST:PORT of process 0, or "auto" (Cloud TPU, SLURM, ...)
     num_processes: int | None = None
     process_id: int | None = None
+    # "generate", "pooling" (embeddings: prefill only, no sampling) or "auto" (vLLM's rule: a
+    # sentence-transformers directory or a bare `...Model` architecture pools); see jaxserve/pooling/.
+    runner: str = "auto"
+    pooler_config: dict | str | None = None  # pooling runner: {"pooling_type": ..., "normalize": ...} over the model's
+
     # vLLM's --speculative-config: JSON text or a dict, parsed into a SpeculativeConfig (see docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        parse_pooler_overrides(self.pooler_config)  # a bad --pooler-config fails before the model loads
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
@@ -64,6 +77,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,
+                                    self.max_num_partial_prefills)
         self.parallel  # validates the sizes now, not at model build time
 
     @property

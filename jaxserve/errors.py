@@ -7,3 +7,7 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class WrongRunner(ValueError):
+    """The request needs the other runner: embeddings from a generating model, or text from a pooling one."""

@@ -50,6 +50,7 @@ from server.protocol import ChatCompletionRequest, error_body
 from server.chat import chat_route
 from server.responses import model_card
 from server.completions import completions_route
+from server.embeddings import embeddings_route, runner_route
 from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
@@ -179,7 +180,7 @@ class OpenAIServer:
                     p = dataclasses.replace(p, structured_outputs=dataclasses.replace(
                         p.structured_outputs, reasoning_end=reasoning_end))
                 p = self.seeded(p)
-                self.engine.validate(ids, p)
+                self.engine.validate(ids, p, body.priority)
             except InvalidParameter as e:
                 raise APIError(400, str(e), param=e.param) from None
             params.append(p)
@@ -228,8 +229,8 @@ class OpenAIServer:
         else the body's `request_id`, else a fresh one."""
         return f"{prefix}-{self.chosen_id(request) or body.request_id or uuid.uuid4().hex}"
 
-    async def results(self, request: Request, prompt_ids, params, texts,
-                      response_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def results(self, request: Request, prompt_ids, params, texts, response_id: str,
+                      priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
         choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
         released here when this generator ends. The engine ids are fresh, or — when the client chose the
@@ -249,24 +250,20 @@ class OpenAIServer:
             if out.finished:
                 self.metrics.observe_request(timers[i], out)
 
-        async def watch_disconnect():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            for rid in request_ids:
-                self.async_engine.abort(rid)
-
-        watcher = asyncio.create_task(watch_disconnect())
+        watcher = self.abort_on_disconnect(request, request_ids)
         pumps: list[asyncio.Task] = []
         try:
             if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
-                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0]):
+                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0],
+                                                            priority):
                     account(0, out)
                     yield 0, out
                 return
 
             async def pump(i: int):
                 try:
-                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i]):
+                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i],
+                                                                priority):
                         account(i, out)
                         await merged.put((i, out))
                 except Exception as e:  # surfaced to the handler through the queue
@@ -287,6 +284,15 @@ class OpenAIServer:
                 task.cancel()
             self._live.difference_update(request_ids)
             self.in_flight -= sum(p.n for p in params)
+
+    def abort_on_disconnect(self, request: Request, request_ids: list[str]) -> asyncio.Task:
+        """A task that aborts the engine requests once the client goes away (cancel it when they are done)."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            for rid in request_ids:
+                self.async_engine.abort(rid)
+        return asyncio.create_task(watch())
 
     def abort_all(self) -> int:
         """End every running request now (finish_reason "abort"); returns how many."""
@@ -400,14 +406,19 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         # Stop the engine with the app (multi-host: the other processes are released and all leave together).
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
+    def generating(handler, api_name: str):
+        return runner_route(api, "generate", api_name, functools.partial(handler, api))
+
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/metrics", api.metrics_route, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
-        Route("/v1/completions", functools.partial(completions_route, api), methods=["POST"]),
-        Route("/v1/chat/completions", functools.partial(chat_route, api), methods=["POST"]),
-        Route("/v1/responses", functools.partial(responses_route, api), methods=["POST"]),
+        Route("/v1/completions", generating(completions_route, "Completions API"), methods=["POST"]),
+        Route("/v1/chat/completions", generating(chat_route, "Chat Completions API"), methods=["POST"]),
+        Route("/v1/responses", generating(responses_route, "Responses API"), methods=["POST"]),
+        Route("/v1/embeddings", runner_route(api, "pooling", "Embeddings API",
+                                             functools.partial(embeddings_route, api)), methods=["POST"]),
         Route("/v1/responses/{response_id}", functools.partial(get_response_route, api), methods=["GET"]),
         Route("/v1/responses/{response_id}", functools.partial(delete_response_route, api), methods=["DELETE"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),

@@ -83,7 +83,7 @@ async def chat_route(api, request: Request) -> Response:
 
     envelope = {"id": api.response_id(request, body, "chatcmpl"), "created": int(time.time()),
                 "model": api.engine.model_name}
-    results = api.results(request, prompt_ids, params, [text], envelope["id"])
+    results = api.results(request, prompt_ids, params, [text], envelope["id"], body.priority)
     usage = Usage(prompt_ids)
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}

@@ -54,7 +54,7 @@ async def completions_route(api, request: Request) -> Response:
     texts = [p if isinstance(p, str) else None for p in prompts]
     envelope = {"id": api.response_id(request, body, "cmpl"), "object": "text_completion",
                 "created": int(time.time()), "model": api.engine.model_name}
-    results = api.results(request, prompt_ids, params, texts, envelope["id"])
+    results = api.results(request, prompt_ids, params, texts, envelope["id"], body.priority)
     usage = Usage(prompt_ids)
     if body.stream:
         return event_stream(_events(view, results, usage, envelope), request_id_of(request))

@@ -6,11 +6,13 @@ from functools import lru_cache
 
 from pydantic.json_schema import models_json_schema
 
+from server.embeddings import EmbeddingRequest
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 from server.responses_protocol import ResponsesRequest
 
-MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
+          DetokenizeRequest)
 _ERROR = {"description": "OpenAI error JSON: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
 
 
@@ -37,7 +39,7 @@ def openapi_document(root_path: str = "") -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "jaxserve", "version": "0.1.0",
-                 "description": "OpenAI-compatible completions, chat completions and responses"},
+                 "description": "OpenAI-compatible completions, chat completions, responses and embeddings"},
         "servers": [{"url": root_path or "/"}],
         "paths": {
             "/v1/completions": _post("Create a completion", ref[CompletionRequest]),
@@ -45,6 +47,8 @@ def openapi_document(root_path: str = "") -> dict:
             "/v1/responses": _post("Create a model response (OpenAI's Responses API)", ref[ResponsesRequest]),
             "/v1/responses/{response_id}": {**_get("A stored response"), "delete": {
                 "summary": "Delete a stored response", "responses": {"200": {"description": "OK"}, "404": _ERROR}}},
+            "/v1/embeddings": _post("Create embeddings (a server started with --runner pooling)",
+                                    ref[EmbeddingRequest]),
             "/tokenize": _post("Token ids of a prompt or of chat messages", ref[TokenizeRequest]),
             "/detokenize": _post("The text of token ids", ref[DetokenizeRequest]),
             "/v1/models": _get("The served model"),

@@ -43,7 +43,6 @@ _UNSUPPORTED = {
     "kv_transfer_params": (None, "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": (None, "vllm_xargs extensions are not supported"),
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
-    "priority": (0, "priority scheduling is not enabled"),
     "max_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "repetition_min_count": (0, "repetition-pattern stopping is not supported"),
@@ -164,7 +163,7 @@ class _Request(BaseModel):
     logits_processors: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    priority: int = 0
+    priority: int = 0  # --scheduling-policy priority: lower runs first (any other value is refused under fcfs)
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0

@@ -65,7 +65,7 @@ async def responses_route(api, request: Request) -> Response:
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
     run = _Run(api, body, conversation, params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
-    results = api.results(request, prompt_ids, params, [text], run.id)
+    results = api.results(request, prompt_ids, params, [text], run.id, chat.priority)
     if body.stream:
         return StreamingResponse(_events(run, results, request_id_of(request)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -10,6 +10,8 @@ import pytest
 
 _CACHE_ENV = "JAXSERVE_TEST_COMPILATION_CACHE"
 
+pytest_plugins = ["tests.compile_report"]  # the compilation share of the run, in its summary
+
 
 def pytest_configure(config):
     """One compilation cache for the whole run, before anything imports JAX: JAX's persistent cache and,
@@ -81,4 +83,4 @@ def story_text() -> str:
 def stories_llm(stories_dir):
     """One warmed-up offline engine over stories260K, shared by the tests that only read from it."""
     from jaxserve import LLM
-    return LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64)
+    return LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64))

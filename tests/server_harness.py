@@ -17,6 +17,12 @@ from server.http_protocol import uvicorn_config
 from server.options import ServerOptions
 
 
+# The engine the server tests share (given `model=`): two step programs, a decode of every slot and the whole
+# budget. Modules that use the same sizes compile them once per run and load them from the run's cache after
+# that (tests/conftest.py), instead of compiling one program per power-of-two bucket each.
+SHARED_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(8, 64))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

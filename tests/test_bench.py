@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.entrypoints.cli import main as jaxserve_main
 from jaxserve.engine_args import EngineArgs
-from tests.server_harness import free_port, running_server, scrape
+from tests.server_harness import SHARED_ENGINE, free_port, running_server, scrape
 
 
 def bench(argv: list[str]) -> int:
@@ -19,7 +19,7 @@ def bench(argv: list[str]) -> int:
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    with running_server(EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64)) as running:
+    with running_server(EngineArgs(model=str(stories_dir), **SHARED_ENGINE)) as running:
         yield running[0]
 
 
@@ -104,8 +104,10 @@ def test_a_prompt_count_per_level_must_match_the_sweep(server, capsys):
 def test_offline_benchmarks_run_on_stories260k(kind, stories_dir, tmp_path, capsys):
     out_file = tmp_path / f"{kind}.json"
     extra = ["--batch-size", "2", "--num-iters", "2"] if kind == "latency" else ["--num-prompts", "8"]
+    # The server tests' engine sizes (SHARED_ENGINE): its two programs come from the run's cache.
+    engine = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--token-buckets", "8,64"]
     assert bench([kind, "--model", str(stories_dir), "--input-len", "16", "--output-len", "8",
-                  "--output-json", str(out_file), *extra]) == 0
+                  "--output-json", str(out_file), *engine, *extra]) == 0
     result = json.loads(out_file.read_text())
     assert result["compilations_while_timed"] == 0 and result["command"].startswith("jaxserve bench")
     if kind == "latency":

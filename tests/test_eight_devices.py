@@ -20,6 +20,7 @@ PARTS = {
     "mesh-greedy": ["tests/multidevice/test_mesh.py", "-k", "not sharded_logits"],
     "mesh-parity": ["tests/multidevice/test_mesh.py", "-k", "sharded_logits"],
     "checkpoint": ["tests/multidevice/test_checkpoint.py"],
+    "embeddings": ["tests/multidevice/test_embeddings_mesh.py"],
 }
 
 

@@ -17,6 +17,8 @@ from tests.page_checks import assert_pages_released
 
 
 class FakeLaunched:
+    bucket, launched_at, done_at, waited = 0, 0.0, None, False  # no step times to learn from
+
     def __init__(self, step, samples):
         self.step, self.samples = step, samples
 

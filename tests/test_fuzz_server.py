@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
 from tests.page_checks import assert_pages_released
-from tests.server_harness import running_server
+from tests.server_harness import SHARED_ENGINE, running_server
 
 EXAMPLES = 500
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -78,7 +78,7 @@ def bodies(fields: dict, required: str, cap_tokens: bool):
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=64)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     options = ServerOptions(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
                             max_queued_requests=64)
     with running_server(args, options=options) as running:

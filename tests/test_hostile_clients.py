@@ -19,7 +19,7 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
 from tests.page_checks import assert_pages_released
-from tests.server_harness import running_server
+from tests.server_harness import SHARED_ENGINE, running_server
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 PROMPT = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -28,7 +28,7 @@ WORDS = ["Once", "upon", "time", "girl", "park", "ball", "happy", "tree", "frien
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=64)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     options = ServerOptions(chat_template=TEMPLATE, max_queued_requests=64, max_request_body_bytes=1 << 20)
     with running_server(args, options=options) as running:
         yield running
@@ -189,7 +189,8 @@ def test_defect3_a_request_template_is_refused_by_default(server, baseline):
 
 @pytest.fixture(scope="module")
 def trusting_server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32),
+                      max_model_len=128)
     options = ServerOptions(trust_request_chat_template=True, chat_template_timeout=1.0)
     with running_server(args, options=options) as running:
         yield running
@@ -272,7 +273,8 @@ def test_defect5_a_body_that_is_not_declared_json_is_415(server, baseline, conte
 
 @pytest.fixture(scope="module")
 def locked_server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128)
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32),
+                      max_model_len=128)
     options = ServerOptions(api_key="s3cret", allowed_origins=("https://app.example",))
     with running_server(args, options=options) as running:
         yield running

@@ -84,7 +84,7 @@ def test_engine_failure_fails_every_request_and_exits_nonzero(stories_dir, monke
     monkeypatch.setattr(ModelRunner, "launch", failing_launch)
     port = free_port()
     result = {}
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32)
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32))
     thread = threading.Thread(target=lambda: result.setdefault("code", serve(
         args, port=port, compilation_cache_dir="", options=ServerOptions(shutdown_timeout=1))), daemon=True)
     thread.start()

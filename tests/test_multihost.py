@@ -45,7 +45,9 @@ def _distributed(port: int, pid: int) -> list[str]:
     return ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)]
 
 
-MODEL_ARGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128"]
+# Two step programs (decodes of both slots, and prefill chunks): each compiles in both processes, for seconds.
+MODEL_ARGS = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--token-buckets", "2,16",
+              "--max-model-len", "128"]
 
 
 def test_two_processes_one_mesh_generate_the_story(stories_dir, story_text, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
-from tests.server_harness import running_server, scrape
+from tests.server_harness import SHARED_ENGINE, running_server, scrape
 
 TEMPLATE = ("{{ prefix or '' }}{% if tools %}T{% endif %}{% if documents %}D{% endif %}"
             "{% if reasoning_effort %}R{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -29,7 +29,7 @@ CHAT_BASE = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=64)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as running:
         yield running
 

@@ -8,7 +8,8 @@ from jaxserve import LLM, SamplingParams
 from pallas_kernels import CPU_FLAVOUR_ENV
 
 PROMPTS = ["Once upon a time", "The cat sat on the mat and looked at the big red ball in the park"]
-SMALL = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, page_size=8)
+# Two step programs per engine (both decodes, and prefill chunks): in interpret mode each compiles for long.
+SMALL = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, token_buckets=(2, 16), page_size=8)
 
 
 def greedy(llm):

@@ -38,6 +38,11 @@ from pallas_kernels.testing import (
 )
 
 
+# The answer every implementation is checked against, jitted: called outside jit, its vmapped gather
+# compiles operation by operation (seconds per case shape, several times over in this sweep); jitted, it is
+# one small program per shape, found in the run's compilation cache by the other workers.
+reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -129,7 +134,7 @@ def test_matches_reference(impl, case):
     args, ragged = _setup(case)
     extra = SMALL_BLOCKS[impl] if case.blocks else {}
     got = IMPLEMENTATIONS[impl](*args, **_options(case), **extra)
-    want = ragged_paged_attention_reference(*args, **_options(case))
+    want = reference(*args, **_options(case))
     assert got.shape == args[0].shape and got.dtype == args[0].dtype
     _assert_close(got, want, case.dtype)
     _assert_padding_zero(got, ragged.cu_q_lens)
@@ -149,7 +154,7 @@ def _setup_quantized(case: Case, kv_dtype: str):
     args = (args[0], k, v) + args[3:]
     key = (case, kv_dtype)
     if key not in _quantized_references:
-        _quantized_references[key] = ragged_paged_attention_reference(*args, **_options(case), **scales)
+        _quantized_references[key] = reference(*args, **_options(case), **scales)
     return args, scales, ragged, _quantized_references[key]
 
 
@@ -171,9 +176,9 @@ def test_quantized_pages_stay_close_to_float32_pages(case, kv_dtype):
     k, v = jnp.asarray(ragged.paged.k_pages), jnp.asarray(ragged.paged.v_pages)
     rest = (jnp.asarray(ragged.kv_lens), jnp.asarray(ragged.paged.page_tables), jnp.asarray(ragged.cu_q_lens))
     q = jnp.asarray(ragged.q)
-    want = np.asarray(ragged_paged_attention_reference(q, k, v, *rest, **_options(case)))
+    want = np.asarray(reference(q, k, v, *rest, **_options(case)))
     codes, scales = quantize_pages(k, v, kv_dtype)
-    got = np.asarray(ragged_paged_attention_reference(q, *codes, *rest, **_options(case), **scales))
+    got = np.asarray(reference(q, *codes, *rest, **_options(case), **scales))
     real = int(ragged.cu_q_lens[-1])
     diff = (got - want)[:real]
     max_tol, rms_tol = KV_QUANT_TOLERANCES[kv_dtype]
@@ -194,14 +199,14 @@ def test_triton_result_does_not_depend_on_program_order(monkeypatch):
     monkeypatch.setattr(ragged_gpu, "work_items", lambda *a: tuple(x[::-1] for x in in_order(*a)))
     # The jitted wrapper may hold a trace made with the in-order items: call the function it wraps.
     got = ragged_paged_attention_gpu.__wrapped__(*args, **_options(case), interpret=True)
-    _assert_close(got, ragged_paged_attention_reference(*args, **_options(case)), case.dtype)
+    _assert_close(got, reference(*args, **_options(case)), case.dtype)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_reference_matches_float64_oracle(case):
     """The reference gathers through the same shuffled tables; check it against attention over dense K/V."""
     args, ragged = _setup(case)
-    want = ragged_paged_attention_reference(*args, **_options(case))
+    want = reference(*args, **_options(case))
     rounded = lambda x: np.asarray(jnp.asarray(x, case.dtype), np.float32)  # the inputs the kernels really saw
     oracle = ragged_oracle(ragged, rounded(ragged.q), rounded(ragged.paged.dense_k), rounded(ragged.paged.dense_v),
                            **_options(case))
@@ -217,7 +222,7 @@ def test_tpu_double_buffering_has_no_races():
     params = pltpu.InterpretParams(detect_races=True)
     got = ragged_paged_attention_tpu(*args, **_options(case), interpret=params, block_q=16,
                                      pages_per_compute_block=1)
-    _assert_close(got, ragged_paged_attention_reference(*args, **_options(case)), "float32")
+    _assert_close(got, reference(*args, **_options(case)), "float32")
     _assert_padding_zero(got, ragged.cu_q_lens)
 
 
@@ -238,7 +243,7 @@ def test_backend_inside_outer_jit(flavour):
         case = Case("stories", seqs, group=2, head_dim=8, max_pages=4, padding_tokens=18 - sum(q for q, _ in seqs))
         args, ragged = _setup(case, num_kv_heads=4)
         got = step(*args)
-        _assert_close(got, ragged_paged_attention_reference(*args, sm_scale=8 ** -0.5), "float32")
+        _assert_close(got, reference(*args, sm_scale=8 ** -0.5), "float32")
         _assert_padding_zero(got, ragged.cu_q_lens)
     assert step._cache_size() == 1
 

@@ -16,7 +16,7 @@ PAGE = 8
 @pytest.fixture(scope="module")
 def pair(stories_dir):
     """Two engines identical but for prefix caching."""
-    kw = dict(max_num_seqs=4, max_model_len=256, page_size=PAGE, max_num_batched_tokens=64)
+    kw = dict(max_num_seqs=4, max_model_len=256, page_size=PAGE, max_num_batched_tokens=64, token_buckets=(4, 64))
     return LLM(str(stories_dir), **kw), LLM(str(stories_dir), enable_prefix_caching=False, **kw)
 
 
@@ -63,7 +63,8 @@ def test_outputs_identical_with_and_without_prefix_caching(pair):
 def test_tiny_pool_under_4x_overload_completes_everything_identically(stories_dir):
     """64 concurrent greedy requests needing 4x the pool: preemption and eviction under pressure, each
     request still gives the tokens it gives alone, and every page comes back."""
-    kw = dict(max_num_seqs=64, max_model_len=64, page_size=4, max_num_batched_tokens=64)
+    # Two programs: one request decoding alone, and anything larger.
+    kw = dict(max_num_seqs=64, max_model_len=64, page_size=4, max_num_batched_tokens=64, token_buckets=(1, 64))
     rng = random.Random(0)
     systems = [[1] + [rng.randint(3, 511) for _ in range(n - 1)] for n in (9, 14, 20, 24)]
     prompts, params = [], []

@@ -32,7 +32,7 @@ from server.options import DEFAULT_MAX_HEADER_BYTES, ServerOptions
 from server.protocol import ChatCompletionRequest
 from server.tool_calls import tool_choice_spec
 from tests.memory_probe import memory
-from tests.server_harness import running_server
+from tests.server_harness import SHARED_ENGINE, running_server
 
 # System messages are left out: instructor's JSON mode writes the whole schema into one, about 1,200 tokens
 # of this tokenizer, more than twice stories260K's 512-token context (the schema reaches the server in the
@@ -61,7 +61,7 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=64)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     options = ServerOptions(chat_template=TEMPLATE, enable_request_id_headers=True)
     with running_server(args, options=options) as running:
         yield running

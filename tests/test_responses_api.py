@@ -15,7 +15,7 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
 from server.response_store import ResponseStore, StoredResponse
-from tests.server_harness import running_server
+from tests.server_harness import SHARED_ENGINE, running_server
 from tests.test_tool_calling import SCHEMAS, TEMPLATE, TIME, WEATHER
 
 MODEL = "stories260K"
@@ -28,7 +28,7 @@ DOCUMENTED_TEXT_EVENTS = ["response.created", "response.in_progress", "response.
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(16, 64))
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE, tool_call_parser="hermes")) as running:
         yield running
 

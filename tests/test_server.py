@@ -13,14 +13,14 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from tests.page_checks import assert_pages_released
 from server.options import ServerOptions
-from tests.server_harness import running_server, scrape
+from tests.server_harness import SHARED_ENGINE, running_server, scrape
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=128)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     # stories260K has no chat template of its own: the server's (--chat-template) stands in.
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as (base, async_engine):
         yield base, async_engine
@@ -102,6 +102,15 @@ def test_malformed_json_and_a_request_chat_template(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
     r = httpx.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_generate_server_refuses_embeddings(server, client):
+    base, _ = server
+    with pytest.raises(openai.BadRequestError, match="--runner pooling"):
+        client.embeddings.create(model="stories260K", input="Once upon a time")
+    r = httpx.post(f"{base}/v1/embeddings", json={"input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_api"
+    assert httpx.get(f"{base}/health").status_code == 200
 
 
 async def _complete(base: str, body: dict) -> list[int]:

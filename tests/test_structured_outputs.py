@@ -53,12 +53,12 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def demo_llm():
-    return LLM(max_num_seqs=16, max_model_len=256)
+    return LLM(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=64, token_buckets=(16, 64))
 
 
 @pytest.fixture(scope="module")
 def stories16(stories_dir):
-    return LLM(str(stories_dir), max_num_seqs=16, max_num_batched_tokens=64)
+    return LLM(str(stories_dir), max_num_seqs=16, max_num_batched_tokens=64, token_buckets=(16, 64))
 
 
 @pytest.mark.parametrize("model", ["demo", "stories"])
@@ -174,7 +174,7 @@ def test_n_choices_each_follow_the_grammar_and_differ(stories16):
 
 def test_preempted_constrained_requests_resume_in_their_grammar(stories_dir):
     llm = LLM(str(stories_dir), max_num_seqs=8, max_model_len=192, num_pages=20, page_size=16,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, token_buckets=(8, 64))
     outs = llm.generate(["Once upon a time"] * 8, SamplingParams(
         temperature=1.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=PERSON)))
     assert llm.engine.scheduler.num_preemptions > 0

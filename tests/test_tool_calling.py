@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
-from tests.server_harness import running_server, scrape
+from tests.server_harness import SHARED_ENGINE, running_server, scrape
 
 # A chat template in the Hermes / Qwen style: tools in the system turn, calls and results in the history.
 TEMPLATE = (
@@ -42,7 +42,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=8, max_num_batched_tokens=64)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     options = ServerOptions(chat_template=TEMPLATE, tool_call_parser="hermes")
     with running_server(args, options=options) as running:
         yield running
@@ -190,7 +190,7 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
 
 
 def test_auto_needs_a_parser(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32)
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32))
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as (base, _):
         reply = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS}, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"

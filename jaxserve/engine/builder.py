@@ -2,7 +2,8 @@
 
 1. `build_model` creates the device mesh (tensor x pipeline parallel, joining `jax.distributed` first
    when asked) and loads the weights straight onto it (Hugging Face safetensors or a checkpoint written
-   by `jaxserve convert`); `_finish_build` resolves the rest: context length, token budget and buckets
+   by `jaxserve convert`) and resolves the runner (`--runner`: generate, or pooling with the model's pooler
+   config; a pooling model loads no LM head); `_finish_build` resolves the rest: context length, token budget and buckets
    of a step, attention backend, and — once the weights are on the device — the KV page pool
    (`kv_budget`: pages, bytes, or a fraction of the free device memory).
 2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
@@ -27,6 +28,7 @@ from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel
 from jaxserve.model.registry import random_model
+from jaxserve.pooling.config import PoolerConfig, resolve_runner
 from jaxserve.text.tokenizer import Tokenizer
 from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
 from sharding import make_plan
@@ -54,7 +56,9 @@ class BuiltModel:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     sampler_config: SamplerConfig
-    weights_seconds: float = 0.0  # reading (or building) the weights onto the devices
+    weights_seconds: float = 0.0
+    runner: str = "generate"  # or "pooling" (resolved from --runner auto)
+    pooler_config: PoolerConfig | None = None  # the pooling runner's  # reading (or building) the weights onto the devices
 
 
 def default_token_budget(max_num_seqs: int, platform: str) -> int:
@@ -66,6 +70,16 @@ def default_token_budget(max_num_seqs: int, platform: str) -> int:
 def build_model(args: EngineArgs) -> BuiltModel:
     demo = args.model is None
     config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
+    runner = resolve_runner(args.runner, args.model)
+    pooler = None
+    if runner == "pooling":  # the model's sentence-transformers pooling, then --pooler-config
+        # The step stops at the final norm: an untied LM head is never read, so it is not loaded.
+        config = dataclasses.replace(config, has_lm_head=False)
+        pooler = dataclasses.replace(PoolerConfig.for_model(args.model, args.pooler_config),
+                                     hidden_size=config.hidden_size)
+        if args.max_model_len is None and pooler.max_seq_length:  # the context it was trained to embed
+            args = dataclasses.replace(args, max_model_len=min(pooler.max_seq_length,
+                                                               config.max_position_embeddings))
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
     # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
@@ -83,7 +97,8 @@ def build_model(args: EngineArgs) -> BuiltModel:
     model = load_weights(reader, config, dtype, plan)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
     built = _finish_build(args, name, model, config, tokenizer, dtype)
-    return dataclasses.replace(built, weights_seconds=time.perf_counter() - start)
+    return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
+                               pooler_config=pooler)
 
 
 def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,
@@ -113,8 +128,12 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                          f"{config.max_position_embeddings}")
     budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
                                              default_token_budget(args.max_num_seqs, jax.default_backend()))
-    scheduler_config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                                       max_num_batched_tokens=budget, token_buckets=args.token_buckets)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
+        token_buckets=args.token_buckets, scheduling_policy=args.scheduling_policy,
+        target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills)
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.

@@ -1,7 +1,8 @@
 """The engine loop: schedule a step, launch it on the device, advance requests by the step before.
 
 1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
-   before anything is allocated) and queues its choices. Additions and aborts from other threads land in
+   before anything is allocated) and queues its choices; `add_pooling_request` queues a prompt to embed
+   (pooling runner: `jaxserve/pooling/`). Additions and aborts from other threads land in
    an inbox that the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
    then, while the device runs it, reads the draws of the step before and hands them to
@@ -10,7 +11,10 @@
    meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
+4. Step times feed the scheduler's step-time model (`jaxserve/scheduling/step_cost.py`): warm-up times
+   idle steps of every compiled bucket, and each step whose samples the host had to wait for is measured
+   from when the device could start it (its launch, or the end of the step before) to their arrival.
+5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
    the same code everywhere, and its caller wraps each call in `call`.
 """
 
@@ -23,26 +27,31 @@ import time
 import uuid
 from typing import Callable, Sequence, TypeVar
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
 from jaxserve.engine_args import EngineArgs
+from jaxserve.errors import InvalidParameter, WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import PooledPrompt, PoolingParams
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
+from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
 from jaxserve.scheduling.update import RequestTracker
-from jaxserve.scheduling.validation import validate_request
+from jaxserve.scheduling.validation import validate_priority, validate_prompt, validate_request
 from jaxserve.speculative.build import build_speculator
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SHORT_STEP_SECONDS = 0.1  # warm-up times a step this short twice (see calibrate_step_cost)
 
 
 class Engine:
@@ -58,10 +67,13 @@ class Engine:
         self.cache_config = built.cache_config
         self.sampler_config = built.sampler_config
         self.plan = built.model.plan
+        self.runner_type = built.runner  # "generate" or "pooling"
+        self.pooler_config = built.pooler_config
         self.compile_events = CompileEvents()
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
                                               built.sampler_config, self.compile_events,
+                                              pooling=built.runner == "pooling",
                                               max_drafts=args.speculative_config.num_speculative_tokens
                                               if args.speculative_config else 0)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -72,6 +84,8 @@ class Engine:
         self.speculator = build_speculator(args.speculative_config, built, self.runner, self.scheduler)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
+        self._step_clock = StepClock()  # device times of the steps read
+        self._timed_buckets: set[int] = set()  # buckets whose idle step warm-up has timed
         self.compilations_at_warmup: int | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
         self.startup_seconds = {"weights": built.weights_seconds}
@@ -103,6 +117,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.warmup()
         self.compilations_at_warmup = self.compile_events.lowered
+        if self.calibration_due:  # with programs still compiling on a thread, a timing would be off
+            self.calibrate_step_cost()
         self.startup_seconds["compile"] = time.perf_counter() - start
         self.startup_seconds["total"] = time.perf_counter() - self._started
         pending = len(self.runner.layouts) - len(self.runner.ready_buckets)
@@ -110,6 +126,36 @@ class Engine:
                     *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
+
+    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
+        """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
+        model; a short one twice, the faster counting (a first run pays one-off costs, and a long one
+        would add seconds to the start of a big model). Only while no request runs (an idle server: the
+        async engine calls it once background compilation is done, a bucket per idle moment); in a
+        multi-host run the model learns from served steps alone."""
+        buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
+        if not self.calibration_due or self.has_unfinished():
+            return
+        cost = self.scheduler.step_cost
+        for bucket in buckets:
+            seconds = self.runner.time_idle_step(bucket)
+            if seconds < SHORT_STEP_SECONDS:
+                seconds = min(seconds, self.runner.time_idle_step(bucket))
+            cost.observe(bucket, 0, seconds)
+            self._timed_buckets.add(bucket)
+        if self.calibration_due:
+            return  # the log line comes with the last bucket
+        target = self.scheduler.itl_target()
+        logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
+                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
+                    "off" if target is None else f"{1e3 * target:.1f} ms")
+
+    @property
+    def calibration_due(self) -> bool:
+        """Every program is compiled and some bucket's step has not been timed yet (never in a multi-host
+        run: its processes would have to run the timing steps together)."""
+        return (jax.process_count() == 1 and self.runner.warmup_report is not None
+                and len(self._timed_buckets) < len(self.runner.ready_buckets))
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -133,20 +179,48 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise ValueError naming the parameter; allocates nothing."""
+        if self.runner_type == "pooling":
+            raise WrongRunner("this model runs with the pooling runner (embeddings): it does not generate; "
+                              "start it with --runner generate for completions")
         suppressed = self.tracker.suppressed_ids(params) if isinstance(params, SamplingParams) else ()
         validate_request(prompt_ids, params, model=self.model_config, scheduler=self.scheduler_config,
                          sampler=self.sampler_config, suppressed_ids=suppressed, grammars=self.grammars)
+        validate_priority(priority, self.scheduler_config)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
-                    prompt: str | None = None) -> str:
+                    prompt: str | None = None, priority: int = 0) -> str:
         """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
-        `index` 0..n-1 under this one id. Returns the id."""
+        `index` 0..n-1 under this one id. `priority` (only with the priority scheduling policy): lower
+        runs first. Returns the id."""
         prompt_ids = [int(t) for t in prompt_ids]
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt)))
+        choices = self.tracker.new_choices(prompt_ids, params, request_id, prompt, priority=priority)
+        self._inbox.put(("add", choices))
+        return request_id
+
+    def validate_pooling(self, prompt_ids: Sequence[int], params: PoolingParams) -> PooledPrompt:
+        """Check a pooling request (a ValueError naming the parameter) and resolve it against the model's
+        pooler; allocates nothing."""
+        if self.runner_type != "pooling":
+            raise WrongRunner("this model runs with the generate runner: embeddings need the pooling runner "
+                              "(start it with --runner pooling)")
+        if not isinstance(params, PoolingParams):
+            raise InvalidParameter("pooling_params",
+                                   f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        validate_prompt(prompt_ids, self.model_config, self.scheduler_config, reserve=0)
+        return PooledPrompt.resolve(params, self.pooler_config)
+
+    def add_pooling_request(self, prompt_ids: Sequence[int], params: PoolingParams | None = None,
+                            request_id: str | None = None, prompt: str | None = None) -> str:
+        """Validate and queue a pooling request (thread-safe): one `EmbeddingRequestOutput` comes out when
+        its whole prompt has been through the steps. Returns the id."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        pooling = self.validate_pooling(prompt_ids, params or PoolingParams())
+        request_id = request_id or uuid.uuid4().hex
+        self._inbox.put(("add", self.tracker.new_pooling_request(prompt_ids, pooling, request_id, prompt)))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -218,7 +292,17 @@ class Engine:
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        return self.tracker.update_from_output(launched.step, launched.sampled())
+        sampled = launched.sampled()
+        self._measure(launched)
+        return self.tracker.update_from_output(launched.step, sampled)
+
+    def _measure(self, launched: LaunchedStep) -> None:
+        """Feed the step-time model the step's device time, where it can be told."""
+        if launched.done_at is None:
+            return  # a runner that keeps no times
+        seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
+        if seconds is not None:
+            self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:

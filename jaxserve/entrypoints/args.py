@@ -44,6 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated token counts a step is padded to, one compiled program each "
                         "(default: 1,2,4,... up to --max-num-batched-tokens)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_scheduling_args(parser)
     g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                    help="top logprobs a request may ask for, per sampled and per prompt token")
     g.add_argument("--max-logit-bias", type=int, default=EngineArgs.max_logit_bias,
@@ -51,11 +52,32 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
                    help="sampling defaults: 'auto' takes the model's generation_config.json (temperature, "
                         "top_p, top_k, min_p, repetition_penalty, max_new_tokens); 'vllm' uses none")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: embeddings (/v1/embeddings; prefill only, no sampling); generate: text; auto "
+                        "(default): pooling for a sentence-transformers directory or a bare ...Model architecture")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='pooling runner: override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", '
+                        '"normalize": false}\' (pooling_type LAST, MEAN or CLS)')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
                         '"num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
     add_parallel_args(parser)
+
+
+def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduling")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="'fcfs': requests run in arrival order; 'priority': lower request `priority` first "
+                        "(ties by arrival), and a higher-priority request may preempt lower-priority running ones")
+    g.add_argument("--target-itl-ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency that a step carrying decodes should stay under: its prefill share "
+                        "is cut to what the measured step times say fits (default: twice a full batch's "
+                        "decode step, measured at warm-up; 0: no cap)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="prefill a prompt at most N tokens per step (0: as many as the budget allows)")
+    g.add_argument("--max-num-partial-prefills", type=int, default=None, metavar="N",
+                   help="at most N sequences prefill in one step (default: as many as the budget allows)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 1. `start()` spawns the engine thread, which loads the model, compiles every program (warm-up) and sets
    `ready`; until then servers answer 503.
 2. `generate()` (asyncio side) validates and queues a request, then yields each `RequestOutput` the
-   thread posts to the request's queue through `call_soon_threadsafe`.
+   thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does the same for a
+   pooling request and its one `EmbeddingRequestOutput`.
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.
@@ -23,6 +24,7 @@ from typing import AsyncIterator, Callable, Sequence
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling.params import SamplingParams
 from sharding import multihost
 
@@ -76,6 +78,9 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._wake.clear()
                 if not self.engine.has_unfinished():
+                    if self.engine.calibration_due:  # background compilation is done: time its programs
+                        self.engine.calibrate_step_cost(max_buckets=1)
+                        continue
                     self._wake.wait(0.5)
                     continue
                 self._post_all(self.engine.step())
@@ -114,7 +119,7 @@ class AsyncEngine:
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
         choices are finished. ValueError (before anything is queued) on bad input."""
         if self.error:
@@ -124,7 +129,7 @@ class AsyncEngine:
         running = params.n
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt, priority=priority)
             self._wake.set()
             while not finished:
                 item = await q.get()
@@ -133,6 +138,28 @@ class AsyncEngine:
                 running -= item.finished
                 finished = running == 0
                 yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished and self.engine is not None:
+                self.abort(request_id)
+
+    async def embed(self, prompt_ids: Sequence[int], params: PoolingParams, request_id: str,
+                    prompt: str | None = None) -> EmbeddingRequestOutput | RequestOutput:
+        """Queue a pooling request and wait for its embedding (a `RequestOutput` with finish_reason "abort"
+        instead when it was aborted meanwhile). ValueError (before anything is queued) on bad input."""
+        if self.error:
+            raise EngineDeadError(self.error)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), q)
+        finished = False
+        try:
+            self.engine.add_pooling_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self._wake.set()
+            item = await q.get()
+            if isinstance(item, Exception):
+                raise item
+            finished = True
+            return item
         finally:
             self._queues.pop(request_id, None)
             if not finished and self.engine is not None:

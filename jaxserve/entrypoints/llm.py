@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs, sampling_defaults
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -27,7 +28,9 @@ class LLM:
         the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), max_num_batched_tokens, token_buckets, attention_backend, tensor_parallel_size,
-        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, speculative_config
+        pipeline_parallel_size, distributed_coordinator, num_processes, process_id, scheduling_policy,
+        target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner ("auto", "generate" or
+        "pooling": embeddings with `embed`), pooler_config, speculative_config
         (vLLM's dict, docs/speculative.md)."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
@@ -47,29 +50,61 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order."""
-        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm), on_follower=[])
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (text, or a list of token ids). Returns one output per prompt, in order.
+        `priority`: one per prompt, lower first (needs `scheduling_policy="priority"`)."""
+        return self.engine.call(lambda: self._generate(prompts, sampling_params, use_tqdm, priority), on_follower=[])
 
-    def _generate(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, priority=None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        encoded, sampling_params = self._encoded(prompts, sampling_params, SamplingParams, "sampling_params")
+        priority = [0] * len(encoded) if priority is None else list(priority)
+        if len(priority) != len(encoded):
+            raise ValueError(f"priority has {len(priority)} entries for {len(encoded)} prompts")
+        # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
+        for (_, ids), params, rank in zip(encoded, sampling_params, priority):
+            self.engine.validate(ids, params, rank)
+        return self._run([self.engine.add_request(ids, params, prompt=text, priority=rank)
+                          for (text, ids), params, rank in zip(encoded, sampling_params, priority)],
+                         [params.n for params in sampling_params], use_tqdm)
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (text, or a list of token ids) with the pooling runner (`runner="pooling"`, or
+        a model that `auto` makes one); one `EmbeddingRequestOutput` per prompt, in order. The prompts are
+        batched as generation's are: several per step, long ones in chunks."""
+        return self.engine.call(lambda: self._embed(prompts, pooling_params, use_tqdm), on_follower=[])
+
+    def _embed(self, prompts, pooling_params, use_tqdm: bool) -> list[EmbeddingRequestOutput]:
+        encoded, pooling_params = self._encoded(prompts, PoolingParams() if pooling_params is None else pooling_params,
+                                                PoolingParams, "pooling_params")
+        for (_, ids), params in zip(encoded, pooling_params):  # everything checked before anything is queued
+            self.engine.validate_pooling(ids, params)
+        ids = [self.engine.add_pooling_request(ids, params, prompt=text)
+               for (text, ids), params in zip(encoded, pooling_params)]
+        done: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(total=len(ids), desc="Embedding", disable=not use_tqdm) as bar:
+            while len(done) < len(ids):
+                for output in self.engine.step():
+                    done[output.request_id] = output
+                    bar.update()
+        return [done[i] for i in ids]
+
+    def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int]]],
+                                                                                list]:
+        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+        if isinstance(params, params_type):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
         tokenizer = self.engine.tokenizer
-        encoded = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
-        # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
-        for (_, ids), params in zip(encoded, sampling_params):
-            self.engine.validate(ids, params)
-        return self._run([self.engine.add_request(ids, params, prompt=text)
-                          for (text, ids), params in zip(encoded, sampling_params)],
-                         [params.n for params in sampling_params], use_tqdm)
+        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts], params
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,

@@ -56,6 +56,7 @@ class StepBatch:
     # [S] int32 top logprobs wanted for the drawn token; -1: none at all
     logprobs: jax.Array = per_seq(fill=-1, source=lambda seq: -1 if seq.params.logprobs is None or not seq.samples
                                   else seq.params.logprobs)
+    pooling: jax.Array = per_seq(source="pooling")  # [S] int32 pooling kind (LAST, MEAN, CLS): pooling runner
     constrained: jax.Array = packed("")  # [] int32 1 when some row's draw is limited by a grammar mask
     sampling: SamplingArrays  # [S] rows
     processing: LogitsParams  # [S] rows, filled when some row processes its logits

@@ -8,6 +8,8 @@
    of the plan's rows (when some draw is constrained) go in as one more input of the same program.
 3. The samples stay on the device and feed the next step; `LaunchedStep.sampled()` copies them to the
    host (one small array, its copy started at launch) when the engine gets round to it, a step later.
+   It notes when they arrived and whether the host had to wait for them: the engine's step-time
+   measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
 The multi-host leader (`relay.py`) is this runner with its dispatch and warm-up wrapped; nothing here
 knows about other processes.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +56,10 @@ class LaunchedStep:
     step: StepPlan | None
     results: StepResults
     logits: jax.Array | None  # [tokens, vocab] float32, when asked for
+    bucket: int = 0  # the token bucket whose program runs it
+    launched_at: float = 0.0  # time.perf_counter() at dispatch
+    done_at: float | None = None  # when the host had its samples (set by `sampled`)
+    waited: bool = False  # the host blocked for them: `done_at` is when the device finished
     # What the step ran on, for a draft model that follows the target's tokens (`jaxserve/speculative/`).
     layout: BatchLayout | None = None
     ints: np.ndarray | None = None
@@ -63,10 +70,13 @@ class LaunchedStep:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
         rows = len(self.step.seqs)
         draws = self.results.draws
+        self.waited = not draws.accepted.is_ready()
         accepted = to_host(draws.accepted)[:rows]
+        tokens = to_host(draws.tokens)[:rows]
+        self.done_at = time.perf_counter()
         drew = np.fromiter((seq.samples for seq in self.step.seqs), np.bool_, rows)
-        return SampledTokens(to_host(draws.tokens)[:rows], np.where(drew, accepted, 0).astype(np.int32),
-                             self.logprobs)
+        pooled = None if self.results.pooled is None else to_host(self.results.pooled)[:rows]
+        return SampledTokens(tokens, np.where(drew, accepted, 0).astype(np.int32), self.logprobs, pooled)
 
     def logprobs(self) -> SampleLogprobs:
         r = jax.tree.map(to_host, self.results)
@@ -79,8 +89,9 @@ class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
-                 max_drafts: int = 0):
-        """`max_drafts`: draft tokens a sequence may verify per step (speculative decoding; 0: off)."""
+                 pooling: bool = False, max_drafts: int = 0):
+        """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`).
+        `max_drafts`: draft tokens a sequence may verify per step (speculative decoding; 0: off)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -115,10 +126,10 @@ class ModelRunner:
         state_shape = (max_seqs + 1, model_config.vocab_size)
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
         step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
-                        num_samples=max_seqs, top=sampler_config.max_logprobs)
+                        num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling)
         self.compiler = StepCompiler(step, layouts, self._program_inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
-                                      max_seqs, sampler_config.max_logprobs),
+                                      max_seqs, sampler_config.max_logprobs, pooling),
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
 
     def _abstract_kv_cache(self) -> KVCache:
@@ -209,12 +220,16 @@ class ModelRunner:
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
         prev_samples = self._prev_samples
         args = (self._param_leaves, self.kv_cache, self.sampler_state, prev_samples, ints, floats, masks)
+        launched_at = time.perf_counter()
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
         self._prev_samples = results.draws.last
         for out in (results.draws.tokens, results.draws.accepted):
             out.copy_to_host_async()  # the engine reads them next iteration; start the copy now
-        return LaunchedStep(step, results, logits, layout, ints, floats, prev_samples)
+        if results.pooled is not None:
+            results.pooled.copy_to_host_async()
+        return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at, layout=layout,
+                            ints=ints, floats=floats, prev_samples=prev_samples)
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has

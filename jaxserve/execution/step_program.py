@@ -9,7 +9,8 @@
    tokens (pipeline stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their
    slots and attends through the backend's ragged paged attention, then draws each sequence's rows
    (grammar masks, logits processing, sampling, draft verification: `draws.py`). Log-probabilities are
-   computed only when some row asked for them.
+   computed only when some row asked for them. A pooling runner's program stops at the final norm
+   instead: it pools one row per sequence (`jaxserve/pooling/device.py`) and samples nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.execution.batch import BatchLayout, StepBatch
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.execution.draws import Draws, draw
+from jaxserve.pooling.device import pool_rows
 from jaxserve.sampling.logits import SamplerState, record_tokens, token_logprobs
 from jaxserve.scheduling.pages import NULL_PAGE
 from sharding import TP_AXES, MeshPlan
@@ -40,10 +42,11 @@ class StepResults:
     prompt_rank: jax.Array  # [T] int32
     prompt_top_ids: jax.Array  # [T, K] int32
     prompt_top_logprobs: jax.Array  # [T, K] float32
+    pooled: jax.Array | None = None  # [R, H] float32 each row's pooled hidden states (pooling runner only)
 
 
 def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sampler_state: SamplerState,
-             num_samples: int, top: int):
+             num_samples: int, top: int, pooling: bool = False):
     """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
     runs Python code for every leaf, on every call, on the critical path of each step. Call it as
     `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits)`."""
@@ -53,7 +56,7 @@ def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sam
     kv_sharding = jax.tree.map(lambda a: a.sharding, kv_abstract)
     kv_specs = jax.tree.map(lambda a: a.sharding.spec, kv_abstract)
     step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp,
-                       num_samples=num_samples, top=top)
+                       num_samples=num_samples, top=top, pooling=pooling)
 
     def step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, layout, with_logits):
         # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
@@ -87,7 +90,8 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_samples, ints, floats, masks, *, graphdef,
-                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool):
+                attention, config, pp, num_samples: int, top: int, layout: BatchLayout, with_logits: bool,
+                pooling: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(ints, floats)
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
@@ -114,6 +118,8 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
 
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
+    if pooling:  # prefill only: no LM head, nothing drawn
+        return kv_cache, sampler_state, _pooled_results(hidden, batch, layout, num_samples, num_tokens, top), None
     draws, sampler_state = draw(lambda h: model.logits(h, TP_AXES), hidden, batch, sampler_state, masks, layout,
                                 num_samples, top)
     targets = batch.prompt_target
@@ -122,6 +128,17 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     results = StepResults(draws, *prompt_lp)
     logits = model.logits(hidden, TP_AXES) if with_logits else None
     return kv_cache, sampler_state, results, logits
+
+
+def _pooled_results(hidden, batch: StepBatch, layout: BatchLayout, num_samples: int, num_tokens: int,
+                    top: int) -> StepResults:
+    zeros, d = jnp.zeros, layout.draws
+    nothing_drawn = Draws(zeros(num_samples, jnp.int32), zeros((num_samples, d), jnp.int32), zeros(num_samples, jnp.int32),
+                          zeros((num_samples, d), jnp.float32), zeros((num_samples, d), jnp.int32),
+                          zeros((num_samples, d, top), jnp.int32), zeros((num_samples, d, top), jnp.float32))
+    return StepResults(nothing_drawn, zeros(num_tokens, jnp.float32), zeros(num_tokens, jnp.int32),
+                       zeros((num_tokens, top), jnp.int32), zeros((num_tokens, top), jnp.float32),
+                       pooled=pool_rows(hidden, batch.cu_q_lens, batch.pooling, num_samples))
 
 
 def _maybe_logprobs(wanted, logits_fn, chosen, top: int):

@@ -162,6 +162,10 @@ class SafetensorsReader(RegionReader):
 
     def _file(self, path: tuple) -> tuple[str, bool, SafetensorsFile]:
         name, transpose = (param_tensor_name(path), False) if self.own_layout else hf_tensor_name(path)
+        if name not in self.files and name.startswith("model.") and name[len("model."):] in self.files:
+            # The bare decoder's checkpoint (`AutoModel`, as sentence-transformers saves embedding models)
+            # names its tensors without the causal-LM wrapper's `model.` prefix.
+            name = name[len("model."):]
         if name not in self.files:
             raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
         file = self.files[name]

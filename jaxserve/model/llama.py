@@ -110,7 +110,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(c, dtype, rngs) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        if not c.tie_word_embeddings:
+        if not c.tie_word_embeddings and c.has_lm_head:
             self.lm_head = _linear(dtype, c.hidden_size, c.vocab_size, False, rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, write_index: jax.Array,
@@ -142,6 +142,8 @@ class LlamaForCausalLM(nnx.Module):
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         if self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
+        elif not self.config.has_lm_head:
+            raise ValueError("this model was loaded without its LM head (a pooling runner): it has no logits")
         else:
             logits = self.lm_head(hidden)
         return parallel.gather_vocab(logits, tp_axis, self.config.vocab_size).astype(jnp.float32)

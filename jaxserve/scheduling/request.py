@@ -18,6 +18,7 @@ import itertools
 import time
 
 from jaxserve.outputs import PositionLogprobs
+from jaxserve.pooling.params import PooledPrompt
 from jaxserve.sampling.closing import GrammarState
 from jaxserve.sampling.params import BiasTable, SamplingParams, bias_table, seed_words
 from jaxserve.scheduling.prefix_cache import PageKey
@@ -55,6 +56,7 @@ class Request:
     index: int = 0  # which of the request's n choices
     prompt: str | None = None  # the prompt's text, when the caller gave text
     suppress_ids: tuple[int, ...] = ()  # EOS and stop tokens: masked while fewer than min_tokens are out
+    priority: int = 0  # --scheduling-policy priority: lower runs first (ties by arrival)
     # -- history: update_from_output alone appends ----------------------------------------------------
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt, then every known output token
     status: Status = Status.WAITING
@@ -86,6 +88,7 @@ class Request:
     # Speculative decoding: tokens a proposer drafted after the last known one, to be verified by the
     # next step (scheduled as part of its span; none are proposed yet).
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    pooling: PooledPrompt | None = None  # a pooling request: how to pool its prompt, and the rows so far
     key: int = dataclasses.field(default_factory=lambda: next(_keys))  # unique: arrival order, and the steps' name
 
     def __post_init__(self):

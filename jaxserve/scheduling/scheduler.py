@@ -1,6 +1,7 @@
 """Continuous-batching scheduler: host-only Python, no device arrays. It decides; it never appends tokens.
 
-1. Requests wait in arrival order. One is admitted when a slot is free and the pages for its whole
+1. Requests wait in arrival order (`--scheduling-policy priority`: lower `priority` first, ties by
+   arrival). One is admitted when a slot is free and the pages for its whole
    prefill (prompt, plus any tokens it generated before a preemption) can be allocated. With prefix
    caching, the longest cached run of full pages of those tokens is shared instead of allocated, and
    prefill starts after it. The hit stops short of the last token: its logits are needed to sample, so
@@ -9,20 +10,27 @@
    reference each) and compute only the rest of the prompt, whose last token each samples itself.
 2. Each iteration `schedule()` fills one step up to the token budget (`max_num_batched_tokens`, or less
    while step programs still compile): first a span for every decoding sequence (its last token, plus any
-   draft tokens to verify; each gets the pages those tokens go to, and when none is free the newest
-   running request is preempted and will be recomputed), then prefill chunks of as many prefilling
-   sequences as fit, oldest first. The step is a `StepPlan` of plain `ScheduledSeq`s: one ragged batch.
-3. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
+   draft tokens to verify; each gets the pages those tokens go to, and when none is free the last
+   running request in queue order is preempted and will be recomputed), then prefill chunks of as many
+   prefilling sequences as fit, first in queue order. The step is a `StepPlan` of plain `ScheduledSeq`s:
+   one ragged batch. Under the priority policy a waiting request may first preempt running requests of
+   a lower priority (a larger value) to get a slot and pages.
+3. A step that carries decodes takes only as many prefill tokens as keep it under the inter-token
+   latency target, by the step-time model (`step_cost.py`): a long prompt then prefills in chunks
+   beside the decodes instead of stalling them. It may always grow to the bucket above the decodes'
+   own, so prompts never starve; a step without decodes prefills at full width.
+   vLLM's `long_prefill_token_threshold` and `max_num_partial_prefills` bound the chunks as well.
+4. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
    is dispatched while the previous one still runs, so a sequence's newest token may still be on the
    device. Such a token is *pending*: the span names the previous step's sample row it comes from, and
    the device feeds it in directly. `num_computed` counts tokens whose K/V the dispatched steps write.
    A sequence under structured outputs (or verifying drafts) is not decoded while a draw is pending:
    its next span depends on the tokens that draw accepts.
-4. `update_from_output` (`update.py`) hands each step's draws back through `accept_draws` (bookkeeping
+5. `update_from_output` (`update.py`) hands each step's draws back through `accept_draws` (bookkeeping
    only: drafts that were rejected are no longer computed) and offers the prefix cache every page that is
    full of known tokens whose K/V a dispatched step writes (`register_full_pages`), prompt and generated
    text alike; so do `finish` and a preemption, for what their request's dispatched steps wrote.
-5. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
+6. `finish` frees a finished or aborted request's slot and pages; pages holding a cached prefix stay
    cached until an allocation needs them (least recently used first). A step still in flight may write
    into freed pages, but every later step runs after it on the device, so their next owner's writes win.
 """
@@ -37,6 +45,7 @@ from jaxserve.scheduling.pages import PageAllocator, pages_needed
 from jaxserve.scheduling.prefix_cache import PrefixCache, extend_page_keys
 from jaxserve.scheduling.request import Request, Status
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+from jaxserve.scheduling.step_cost import PrefillCap, StepCostModel
 
 
 class Scheduler:
@@ -53,6 +62,9 @@ class Scheduler:
         self.lookahead = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
+        # What steps cost on the device: the engine calibrates it at warm-up and feeds it measured steps.
+        self.step_cost = StepCostModel(scheduler_config.token_buckets)
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -67,6 +79,17 @@ class Scheduler:
     def kv_usage(self) -> float:
         return 1 - self.allocator.num_free / self.allocator.num_usable
 
+    def rank(self, request: Request) -> tuple[int, ...]:
+        """Queue order: arrival, or (priority, arrival) under the priority policy."""
+        return (request.priority, request.arrival) if self.by_priority else (request.arrival,)
+
+    def itl_target(self) -> float | None:
+        """Seconds a step that carries decodes should stay under (None: no cap, or nothing measured yet)."""
+        target = self.config.target_itl
+        if target is None:
+            return self.step_cost.derived_target(self.config.max_num_seqs)
+        return target or None
+
     def waits_for_draws(self) -> bool:
         """Whether a running sequence can be planned only once its pending draw is read: a constrained one
         (its next mask depends on the token) or one verifying drafts (its next span, on how many stand)."""
@@ -75,16 +98,18 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self._requeue(request)
 
     def schedule(self, token_limit: int | None = None) -> StepPlan:
         """Plan the next step of at most `token_limit` tokens (default: the configured budget). What it
         plans counts as computed (and drawn) right away."""
         limit = min(token_limit or self.config.max_num_batched_tokens, self.config.max_num_batched_tokens)
+        if self.by_priority:  # before anything is planned: a victim's pages must not be in this step
+            self._preempt_for_priority()
         preempted = self._reserve_decode_pages()
         seqs: list[ScheduledSeq] = []
         budget = limit
-        running = sorted(self.running, key=lambda r: r.arrival)
+        running = sorted(self.running, key=self.rank)
         for request in running:
             if self._wants_decode(request) and budget > 0:
                 seq = self._decode_seq(request, len(seqs), budget)
@@ -92,16 +117,33 @@ class Scheduler:
                 budget -= seq.num_tokens
         if not preempted:  # pages just freed by a preemption go to the running requests first
             self._admit()
-            running = sorted(self.running, key=lambda r: r.arrival)
+            running = sorted(self.running, key=self.rank)
+        cap = self._latency_cap(seqs, limit)
+        threshold = self.config.long_prefill_token_threshold or limit
+        partial = self.config.max_num_partial_prefills or limit
         for request in running:
-            if budget == 0:
+            if budget == 0 or partial == 0:
                 break
             if request.is_prefilling:
-                seq = self._prefill_seq(request, min(request.prefill_target - request.num_computed, budget),
-                                        len(seqs))
+                n = min(request.prefill_target - request.num_computed, budget, threshold)
+                if cap is not None:
+                    n = cap.fit(n, request.num_computed)
+                    if n == 0:
+                        break
+                seq = self._prefill_seq(request, n, len(seqs))
                 seqs.append(seq)
                 budget -= seq.num_tokens
+                partial -= 1
         return StepPlan(seqs, limit - budget)
+
+    def _latency_cap(self, decodes: list[ScheduledSeq], limit: int) -> PrefillCap | None:
+        """The bound on this step's prefill tokens that keeps its decodes under the ITL target (None:
+        no bound: no decodes in the step, no target, or nothing measured yet)."""
+        target = self.itl_target() if decodes else None
+        if target is None or not self.step_cost.calibrated:
+            return None
+        return PrefillCap(self.step_cost, target, sum(seq.num_tokens for seq in decodes),
+                          sum(seq.start + seq.num_tokens for seq in decodes), limit)
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:
@@ -163,24 +205,31 @@ class Scheduler:
                             num_draft_tokens=num_draft_tokens, constrained=request.constrained,
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
-                            prompt_targets=prompt_targets)
+                            prompt_targets=prompt_targets,
+                            pooling=request.pooling.kind if request.pooling is not None else 0)
 
     @staticmethod
     def _mark_drawn(request: Request, row: int) -> None:
         request.num_pending += 1
         request.pending_row = row
 
+    def _admission_needs(self, request: Request) -> tuple[list[int], int, int]:
+        """What admitting `request` takes: (prefix pages it shares, fresh pages, pages to allocate: the
+        fresh ones plus shared ones that sit idle in the cache, which count as free until acquired)."""
+        forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
+        hits = request.shared_pages if forked else self._cached_prefix(request, len(request.token_ids))
+        fresh = pages_needed(len(request.token_ids), self.page_size) - len(hits)
+        idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits and not forked else 0
+        return hits, fresh, fresh + idle_hits
+
     def _admit(self) -> None:
         while self.waiting and None in self.slots:
             request = self.waiting[0]
             target = len(request.token_ids)
-            forked = bool(request.shared_pages)  # its prompt's pages come from choice 0, already held
-            hits = request.shared_pages if forked else self._cached_prefix(request, target)
-            fresh = pages_needed(target, self.page_size) - len(hits)
-            # Idle hit pages count as free until acquired: they must not also pay for the fresh pages.
-            idle_hits = sum(self.prefix_cache.is_idle(p) for p in hits) if hits and not forked else 0
-            if not self.allocator.can_allocate(fresh + idle_hits):
-                return  # wait for pages: strict arrival order, so big prompts are not starved
+            forked = bool(request.shared_pages)
+            hits, fresh, to_allocate = self._admission_needs(request)
+            if not self.allocator.can_allocate(to_allocate):
+                return  # wait for pages: strict queue order, so big prompts are not starved
             if not forked:
                 self.allocator.acquire(hits)
             pages = hits + self.allocator.allocate(fresh)
@@ -216,8 +265,11 @@ class Scheduler:
     def _cached_prefix(self, request: Request, target: int) -> list[int]:
         """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
         params = request.params
-        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None:
-            return []  # a repetition penalty (prompt logprobs) needs every prompt token to go through a step
+        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None \
+                or (request.pooling is not None and request.pooling.needs_every_token):
+            # A repetition penalty (prompt logprobs, mean or CLS pooling) needs every prompt token to go
+            # through a step.
+            return []
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
@@ -252,9 +304,29 @@ class Scheduler:
                 elif pages_needed(request.num_computed + 1, self.page_size) <= len(request.pages):
                     break  # room for its own token: the drafts wait
                 else:
-                    self._preempt(max(self.running, key=lambda r: r.arrival))
+                    self._preempt(max(self.running, key=self.rank))
                     preempted = True
         return preempted
+
+    def _preempt_for_priority(self) -> None:
+        """Make room for the first waiting request by preempting running requests of a lower priority
+        (larger value), lowest first, if that frees enough; they are recomputed once readmitted."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None:
+            return
+        victims = sorted((r for r in self.running if r.priority > head.priority), key=self.rank, reverse=True)
+        if not victims:
+            return
+        _, _, to_allocate = self._admission_needs(head)
+        slots_short = 0 if None in self.slots else 1
+        freeable = sum(self.allocator.refcount(p) == 1 for r in victims for p in r.pages)
+        if to_allocate > self.allocator.num_free + freeable:
+            return  # even every victim's pages would not do: preempt nobody
+        for victim in victims:
+            if slots_short <= 0 and self.allocator.can_allocate(to_allocate):
+                break
+            self._preempt(victim)
+            slots_short -= 1
 
     def _preempt(self, victim: Request) -> None:
         self.register_full_pages(victim)  # what its dispatched steps wrote saves its recomputation
@@ -267,8 +339,12 @@ class Scheduler:
         self._requeue(victim)
 
     def _requeue(self, request: Request) -> None:
-        """Back to the front of the queue, in arrival order among the requests that arrived before."""
-        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        """Into the queue at its place in queue order (a preempted request: ahead of later arrivals)."""
+        rank = self.rank(request)
+        if not self.waiting or self.rank(self.waiting[-1]) < rank:
+            self.waiting.append(request)  # the common case: a new arrival goes last
+            return
+        position = next((i for i, r in enumerate(self.waiting) if self.rank(r) > rank), len(self.waiting))
         self.waiting.insert(position, request)
 
     def _release(self, request: Request) -> None:

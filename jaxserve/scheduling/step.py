@@ -50,6 +50,7 @@ class ScheduledSeq:
     bias: BiasTable = NO_BIAS  # static logit_bias / allowed_token_ids entries
     suppress_ids: tuple[int, ...] = ()  # masked for this draw: EOS and stop tokens before min_tokens
     prompt_targets: tuple[int, ...] | None = None  # prompt logprobs: the prompt token after each span row
+    pooling: int = 0  # pooling runner: how the step pools the span (jaxserve/pooling/config.py's kinds)
 
     @property
     def samples(self) -> bool:
@@ -122,11 +123,13 @@ class SampledTokens:
     tokens: np.ndarray  # [rows, draws] int32: row r's accepted tokens first (draws = 1 + the most drafts)
     num_accepted: np.ndarray  # [rows] int32: how many of row r's tokens stand; 0 where it drew nothing
     fetch_logprobs: Callable[[], SampleLogprobs] | None = None  # copies them to the host when asked
+    pooled: np.ndarray | None = None  # [rows, hidden] float32: each row's pooled hidden states (pooling runner)
 
     @classmethod
     def one_per_row(cls, samples: np.ndarray, step: StepPlan,
-                    fetch_logprobs: Callable[[], SampleLogprobs] | None = None) -> SampledTokens:
+                    fetch_logprobs: Callable[[], SampleLogprobs] | None = None,
+                    pooled: np.ndarray | None = None) -> SampledTokens:
         """One draw per sequence that samples (no drafts): samples [>= rows] int32, row r for seqs[r]."""
         rows = len(step.seqs)
         accepted = np.fromiter((seq.samples for seq in step.seqs), np.int32, rows)
-        return cls(samples[:rows, None], accepted, fetch_logprobs)
+        return cls(samples[:rows, None], accepted, fetch_logprobs, None if pooled is None else pooled[:rows])

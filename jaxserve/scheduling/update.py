@@ -9,7 +9,8 @@
    choice ends the row: tokens after it are dropped, and a stop string that ends inside the span cuts
    the text there. Then it frees what finished and offers the pages the step filled to the prefix cache.
 3. A draw for a request that finished, was aborted or was preempted after the step was planned is
-   discarded (its epoch moved on).
+   discarded (its epoch moved on). A pooling request draws nothing: each chunk's pooled row is folded
+   into it, and the chunk that ends its prompt finishes it with an `EmbeddingRequestOutput`.
 4. It returns a `RequestOutput` per choice that progressed, carrying what is new (text that became
    final, token ids, their log-probabilities when asked for) and, once the choice is finished, the whole
    result. Nothing on the way copies a choice's whole output, so host work follows what changed.
@@ -23,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, logprob_entries
+from jaxserve.pooling.params import EmbeddingOutput, EmbeddingRequestOutput, PooledPrompt
 from jaxserve.sampling.closing import GrammarState, fill_masks
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
@@ -31,6 +33,8 @@ from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, ScheduledSeq, StepPlan
 from jaxserve.scheduling.stop_strings import apply_stop_strings
+
+_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class RequestTracker:
@@ -53,7 +57,7 @@ class RequestTracker:
         return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def new_choices(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt: str | None) -> list[Request]:
+                    prompt: str | None, priority: int = 0) -> list[Request]:
         """The request's n choices, each drawing with its own seed (seed, seed + 1, ...: reproducible and
         distinct). Touches no engine state: callable from any thread."""
         max_len = self.max_model_len
@@ -73,9 +77,16 @@ class RequestTracker:
                 grammar = GrammarState(self.grammars.matcher(p.structured_outputs), self.grammars, self.eos_ids)
             choices.append(Request(request_id, prompt_ids, p, seed=(seed + j) % 2**64, max_len=max_len, index=j,
                                    prompt=prompt, suppress_ids=self.suppressed_ids(params), output=output,
-                                   grammar=grammar))
+                                   grammar=grammar, priority=priority))
         choices[0].forks = choices[1:]
         return choices
+
+    def new_pooling_request(self, prompt_ids: list[int], pooling: PooledPrompt, request_id: str,
+                            prompt: str | None) -> list[Request]:
+        """A pooling request as the one choice the scheduler runs: its prompt is prefilled and pooled, and
+        the draw that would follow is never made (greedy settings only fill the step's sampling rows)."""
+        return [Request(request_id, prompt_ids, _POOLING_SAMPLING, seed=0, max_len=len(prompt_ids) + 1,
+                        prompt=prompt, pooling=pooling)]
 
     def add(self, choices: list[Request]) -> None:
         self.choices[choices[0].request_id] = choices
@@ -128,7 +139,9 @@ class RequestTracker:
                 continue  # finished, aborted or preempted since the step was planned
             if results is not None and seq.prompt_targets is not None:
                 self._record_prompt_logprobs(request, seq, first_row - seq.num_tokens, results)
-            if seq.samples:
+            if request.pooling is not None:
+                outputs.extend(self._pool(request, seq, sampled.pooled[row]))
+            elif seq.samples:
                 accepted = int(sampled.num_accepted[row])
                 if seq.num_draft_tokens:
                     self.stats.count_drafts(seq.num_draft_tokens, accepted - 1)
@@ -137,6 +150,18 @@ class RequestTracker:
             # The step wrote the K/V of its tokens: later readers run after it on the device.
             self.scheduler.register_full_pages(request)
         return outputs
+
+    def _pool(self, request: Request, seq: ScheduledSeq, pooled: np.ndarray) -> list[EmbeddingRequestOutput]:
+        """Fold a chunk's pooled row into its request; the chunk that ends the prompt finishes it."""
+        request.pooling.add(pooled, seq.first_chunk, seq.start, last_chunk=seq.samples)
+        if not seq.samples:
+            return []
+        self.scheduler.accept_draws(request, seq, 0)
+        vector = request.pooling.finish(request.num_prompt_tokens)
+        self._finish(request, "stop")
+        return [EmbeddingRequestOutput(request.request_id, EmbeddingOutput(vector.tolist()), request.prompt_ids,
+                                       prompt=request.prompt, queue_seconds=request.queue_seconds,
+                                       num_cached_tokens=request.num_cached_tokens or 0)]
 
     def _advance(self, request: Request, tokens: np.ndarray, row: int,
                  results: SampleLogprobs | None) -> RequestOutput:

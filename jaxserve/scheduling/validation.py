@@ -11,6 +11,21 @@ from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 
 
+def validate_prompt(prompt_ids: Sequence[int], model: ModelConfig, scheduler: SchedulerConfig,
+                    reserve: int = 1) -> None:
+    """A prompt of known tokens that fits the context with `reserve` tokens to spare (1: a new token)."""
+    if len(prompt_ids) == 0:
+        raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+    vocab = model.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise InvalidParameter("prompt", f"prompt contains token ids outside the vocabulary [0, {vocab})")
+    limit = scheduler.max_model_len
+    if len(prompt_ids) + reserve > limit:
+        room = ": it must leave room for at least one new token" if reserve else ""
+        raise InvalidParameter("prompt", f"prompt has {len(prompt_ids)} tokens but the model's context length "
+                               f"(max_model_len) is {limit}{room}")
+
+
 def validate_request(prompt_ids: Sequence[int], params: SamplingParams, *, model: ModelConfig,
                      scheduler: SchedulerConfig, sampler: SamplerConfig, suppressed_ids: tuple[int, ...],
                      grammars: GrammarCompiler) -> None:
@@ -18,15 +33,8 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, *, model
     if not isinstance(params, SamplingParams):
         raise InvalidParameter("sampling_params",
                                f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-    if len(prompt_ids) == 0:
-        raise InvalidParameter("prompt", "prompt is empty: it must contain at least one token")
+    validate_prompt(prompt_ids, model, scheduler)
     vocab = model.vocab_size
-    if any(not 0 <= t < vocab for t in prompt_ids):
-        raise InvalidParameter("prompt", f"prompt contains token ids outside the vocabulary [0, {vocab})")
-    limit = scheduler.max_model_len
-    if len(prompt_ids) >= limit:
-        raise InvalidParameter("prompt", f"prompt has {len(prompt_ids)} tokens but the model's context length "
-                               f"(max_model_len) is {limit}: it must leave room for at least one new token")
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ())):
         if any(not 0 <= t < vocab for t in ids):
@@ -49,3 +57,12 @@ def validate_request(prompt_ids: Sequence[int], params: SamplingParams, *, model
         raise InvalidParameter("n", f"n may be at most --max-num-seqs ({scheduler.max_num_seqs})")
     if params.structured_outputs is not None:
         grammars.compile(params.structured_outputs)  # cached: cheap for a spec seen before
+
+
+def validate_priority(priority: int, scheduler: SchedulerConfig) -> None:
+    """A request's `priority` means something only under the priority policy (vLLM refuses it otherwise)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidParameter("priority", f"priority must be an integer, got {type(priority).__name__}")
+    if priority != 0 and scheduler.scheduling_policy != "priority":
+        raise InvalidParameter("priority", f"priority {priority} needs priority scheduling: start the engine "
+                                           f"with --scheduling-policy priority")

@@ -16,6 +16,8 @@ def build_speculator(config: SpeculativeConfig | None, built, runner, scheduler)
     `scheduler`: told to hold pages ahead for a draft model's own K/V."""
     if config is None:
         return None
+    if getattr(built, "runner", "generate") == "pooling":
+        raise ValueError("speculative_config: the pooling runner draws no tokens to speculate on")
     if config.method == "ngram":
         proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         detail = f"prompt lookup {config.prompt_lookup_min}..{config.prompt_lookup_max} tokens"
