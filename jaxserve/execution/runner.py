@@ -231,6 +231,16 @@ class ModelRunner:
         return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at, layout=layout,
                             ints=ints, floats=floats, prev_samples=prev_samples)
 
+    def time_idle_step(self, bucket: int) -> float:
+        """Seconds one step of `bucket`'s ready program takes, dispatch to samples on the host, with no
+        sequence in it (every token writes to the null page). Only while no request runs."""
+        layout = self.layouts[bucket]
+        start = time.perf_counter()
+        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.draws.last)
+        seconds = time.perf_counter() - start
+        self._prev_samples = self._no_samples
+        return seconds
+
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has
         requests running: their next step would read this step's samples as their pending tokens.
