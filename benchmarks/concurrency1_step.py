@@ -63,7 +63,7 @@ def main() -> None:
 
     def probed_dispatch(*a, **kw):
         launched = dispatch(*a, **kw)
-        inline.append(launched.results.samples.is_ready())
+        inline.append(launched.results.draws.last.is_ready())
         return launched
     engine.runner.dispatch = probed_dispatch
     read = engine._read

@@ -2,7 +2,7 @@
 
 The public API is what this module exports; the subpackages are the engine's rooms, from the top down:
 `entrypoints` (LLM, Workbench, the CLI, the async engine a server drives), `engine` (the loop and its
-assembly), `scheduling` (request state, the scheduler, the step description, KV pages and the prefix
+assembly), `speculative` (draft proposers for speculative decoding), `scheduling` (request state, the scheduler, the step description, KV pages and the prefix
 cache, and `update_from_output`), `execution` (the device batch, the compiled step, the runner),
 `sampling` (sampling parameters, the sampler, logits processing, grammars) and `lora` (LoRA adapters: reading,
 device slots, the term the projections add), `model` and `loader`

@@ -287,3 +287,73 @@ def default_token_buckets(budget: int) -> tuple[int, ...]:
         buckets.append(b)
         b *= 2
     return tuple(buckets + [budget])
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `--speculative-config` shape (see docs/speculative.md).
+
+    `ngram` drafts by prompt lookup: the longest n-gram (prompt_lookup_max down to prompt_lookup_min tokens)
+    that ends the sequence and occurred earlier in it proposes the tokens that followed it. `draft_model`
+    drafts with a smaller model of the same vocabulary, run on the device. Each step a sequence verifies up
+    to `num_speculative_tokens` drafts; above `disable_by_batch_size` running sequences nobody drafts."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # the draft model's directory (draft_model)
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config num_speculative_tokens must be an integer in [1, 16], "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's rule: either bound defaults to the other, both to 5.
+            low, high = low or high or 5, high or low or 5
+            if not 1 <= low <= high:
+                raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{low} and {high}")
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+            if self.model is not None:
+                raise ValueError("speculative_config: the ngram method takes no model")
+        elif self.model is None:
+            raise ValueError("speculative_config: the draft_model method needs a model directory")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From the CLI's JSON text or the `LLM` argument's dict. vLLM's spellings are accepted: a `model` of
+        "[ngram]" (or "ngram") means the ngram method, and a model without a method is a draft model."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        fields = dict(value)
+        if fields.get("model") in ("[ngram]", "ngram") and fields.get("method") in (None, "ngram"):
+            fields.pop("model")
+            fields["method"] = "ngram"
+        if "method" not in fields and fields.get("model"):
+            fields["method"] = "draft_model"
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in fields:
+                raise ValueError(f"speculative_config needs {name!r}")
+        return cls(**fields)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, validate_scheduling_options
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, SpeculativeConfig, validate_scheduling_options
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -68,7 +68,11 @@ class EngineArgs:
     max_lora_rank: int = 16  # the device slots' rank; adapters of higher rank are refused
     max_cpu_loras: int | None = None  # adapters kept read on the host (LRU); default max_loras
 
+    # vLLM's --speculative-config: JSON text or a dict, parsed into a SpeculativeConfig (see docs/speculative.md)
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         parse_pooler_overrides(self.pooler_config)  # a bad --pooler-config fails before the model loads

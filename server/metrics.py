@@ -51,6 +51,10 @@ VLLM_NAMES = {
     "jaxserve:request_inference_time_seconds": ("vllm:request_inference_time_seconds",),
     "jaxserve:request_prompt_tokens": ("vllm:request_prompt_tokens",),
     "jaxserve:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "jaxserve:spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "jaxserve:spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "jaxserve:spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "jaxserve:spec_decode_num_accepted_tokens_per_pos": ("vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 
 
@@ -106,7 +110,8 @@ def _engine_state(async_engine: AsyncEngine):
         memory.add_metric(["weights"], p.weight_bytes)
         memory.add_metric(["kv_cache"], p.kv_cache_bytes)
     return (running, waiting, usage, compiles, preemptions, queries, hits, steps, step_sequences, step_tokens,
-            startup, programs, precision, memory, *_lora_info(engine if ready else None))
+            startup, programs, precision, memory, *_lora_info(engine if ready else None),
+            *(_spec_decode_state(engine) if ready and engine.speculator is not None else ()))
 
 
 def _lora_info(engine) -> tuple:
@@ -124,6 +129,30 @@ def _lora_info(engine) -> tuple:
     info.add_metric([str(engine.lora.config.max_loras), names(scheduler.running), names(list(scheduler.waiting))],
                     time.time())
     return (info,)
+
+
+def _spec_decode_state(engine):
+    """Speculative decoding's counters (only when it is configured, as vLLM shows them)."""
+    stats, speculator = engine.stats, engine.speculator
+    families = []
+    for name, doc, value in (
+            ("num_drafts", "Sequences that verified draft tokens, once per step", stats.spec_drafts),
+            ("num_draft_tokens", "Draft tokens verified", stats.spec_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted", stats.spec_accepted_tokens)):
+        family = CounterMetricFamily(f"jaxserve:spec_decode_{name}", doc)
+        family.add_metric([], value)
+        families.append(family)
+    per_pos = CounterMetricFamily("jaxserve:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each position of the drafts", labels=["position"])
+    for position in range(speculator.num_speculative_tokens):
+        accepted = stats.spec_accepted_per_pos
+        per_pos.add_metric([str(position)], accepted[position] if position < len(accepted) else 0)
+    host = CounterMetricFamily("jaxserve:spec_decode_proposer_seconds", "Host seconds the proposer took: "
+                               "on the step's critical path (propose) and overlapped with the device (prepare)",
+                               labels=["phase"])
+    host.add_metric(["propose"], speculator.propose_seconds)
+    host.add_metric(["prepare"], speculator.prepare_seconds)
+    return (*families, per_pos, host)
 
 
 class _Exporter:

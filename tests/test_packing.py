@@ -81,7 +81,8 @@ def test_the_builder_fills_the_batch_from_a_plain_step():
     np.testing.assert_array_equal(b.write_index, [20, 21, 22, 23, 24, 38, 0, 0])
     np.testing.assert_array_equal(b.cu_q_lens, [0, 5, 6])
     np.testing.assert_array_equal(b.kv_lens, [5, 3])
-    np.testing.assert_array_equal(b.sample_index, [4, 5])
+    np.testing.assert_array_equal(b.row_index, [4, 5])  # no drafts: one draw row per sequence, its last token
+    np.testing.assert_array_equal(b.row_seq, [0, 1])
     np.testing.assert_array_equal(b.page_tables, [[5, 6, 0, 0], [9, 0, 0, 0]])
     np.testing.assert_array_equal(b.slots, [1, 0])
     np.testing.assert_array_equal(b.logprobs, [2, -1])

@@ -81,8 +81,9 @@ def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
         rows, r = out.rows[i], out.results
         positions = range(start, start + len(token_ids))
         # Sampled token: its logprob, rank and the top 5, against the golden logits of the last position.
-        check_logprobs(ref_logits[positions[-1]], int(out.samples[i]), r.sample_logprob[i], r.sample_rank[i],
-                       r.top_ids[i], r.top_logprobs[i])
+        d = r.draws
+        check_logprobs(ref_logits[positions[-1]], int(out.samples[i]), d.sample_logprob[i, 0], d.sample_rank[i, 0],
+                       d.top_ids[i, 0], d.top_logprobs[i, 0])
         # Prompt logprobs: every row but the chunk's last scores the next token of the chunk.
         for row, position in zip(range(rows.start, rows.stop - 1), positions):
             check_logprobs(ref_logits[position], ids[position + 1], r.prompt_logprob[row], r.prompt_rank[row],

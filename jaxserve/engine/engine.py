@@ -52,6 +52,7 @@ from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
 from jaxserve.scheduling.update import RequestTracker
 from jaxserve.scheduling.validation import validate_priority, validate_request
+from jaxserve.speculative.build import build_speculator
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class Engine(PoolingRequests):
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
                                               built.sampler_config, self.compile_events,
-                                              pooling=built.runner == "pooling", lora=slots)
+                                              pooling=built.runner == "pooling", lora=slots,
+                                              max_drafts=args.speculative_config.num_speculative_tokens
+                                              if args.speculative_config else 0)
         self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,
                                                                  self.runner.write_lora, args.lora_modules)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -89,6 +92,7 @@ class Engine(PoolingRequests):
         self.stats = EngineStats()
         self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
                                       self.scheduler_config.max_model_len)
+        self.speculator = build_speculator(args.speculative_config, built, self.runner, self.scheduler)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
         self._step_clock = StepClock()  # device times of the steps read
@@ -125,6 +129,8 @@ class Engine(PoolingRequests):
             self.startup_seconds["all_programs"] = time.perf_counter() - self._started
 
         self.runner.warmup(background=background, on_done=done)
+        if self.speculator is not None:
+            self.speculator.warmup()
         self.compilations_at_warmup = self.compile_events.lowered
         if self.calibration_due:  # with programs still compiling on a thread, a timing would be off
             self.calibrate_step_cost()
@@ -247,7 +253,10 @@ class Engine(PoolingRequests):
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
         outputs = self._drain_inbox()
-        if self._in_flight is not None and (self._in_flight.step.prefill_only or self.scheduler.waits_for_draws()):
+        speculator = self.speculator
+        drafting = speculator is not None and speculator.wants_draws_first(self.scheduler.running)
+        if self._in_flight is not None and (self._in_flight.step.prefill_only or self.scheduler.waits_for_draws()
+                                            or drafting):
             # Read the step in flight before planning the next one, in two cases (the device idles for the
             # planning meanwhile):
             # - It only prefills. Requests arrive in bursts spread over milliseconds (a client's wave, or
@@ -256,19 +265,27 @@ class Engine(PoolingRequests):
             #   of the burst would wait for two steps, one of them a prefill. Planned after it, the next
             #   step takes them all; and no decode waits on the planning, since none is running.
             # - A sequence's next span depends on its pending draw: a constrained sequence's next mask
-            #   needs the token (unconstrained traffic alone never takes this path).
+            #   needs the token (unconstrained traffic alone never takes this path), and a sequence
+            #   expected to draft needs it to draft from (speculative decoding, below its batch size).
             outputs.extend(self._read(self._in_flight))
             self._in_flight = None
             outputs.extend(self._drain_inbox())
+        if speculator is not None:
+            speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule(self.runner.step_token_limit)  # lower while programs still compile
         launched = None
         if not plan.empty:
             launched = self.runner.launch(plan, masks=self.tracker.grammar_masks(plan))
+            if self.speculator is not None:
+                self.speculator.observe(launched)
             self.stats.count_step(plan)
         # While the device runs the step just launched, advance requests by the one before it.
         if self._in_flight is not None:
             outputs.extend(self._read(self._in_flight))
         self._in_flight = launched
+        if speculator is not None:  # while the device runs the step
+            speculator.prepare(self.scheduler.running)
+            speculator.log_if_due(self.stats)
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:

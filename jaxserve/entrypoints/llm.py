@@ -34,7 +34,7 @@ class LLM:
         pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,
         scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner
         ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config, enable_lora, max_loras,
-        max_lora_rank, max_cpu_loras, lora_modules."""
+        max_lora_rank, max_cpu_loras, lora_modules, speculative_config (vLLM's dict, docs/speculative.md)."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(model)

@@ -33,8 +33,9 @@ from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepBatch:
-    """One step's inputs. Dimensions: T tokens, S sequence rows, P pages per sequence, B bias entries per
-    row, R the sampler-state row of padding (the scratch slot). A new per-sequence input is one line here."""
+    """One step's inputs. Dimensions: T tokens, S sequence rows, Q draw rows, P pages per sequence, B bias
+    entries per row, R the sampler-state row of padding (the scratch slot). A new per-sequence input is one
+    line here."""
     tokens: jax.Array = per_token()  # [T] int32 new token ids (0 for padding, and where from_prev says otherwise)
     from_prev: jax.Array = per_token(fill=-1)  # [T] int32 row of the previous step's samples; -1: use tokens
     positions: jax.Array = per_token()  # [T] int32 position of each token in its sequence (0 for padding)
@@ -45,7 +46,12 @@ class StepBatch:
     cu_q_lens: jax.Array = packed("S+1")  # [S + 1] int32 first token row of each sequence; padding rows are empty
     kv_lens: jax.Array = per_seq()  # [S] int32 tokens in the cache per sequence after this step; 0 for padding
     page_tables: jax.Array = packed("S,P")  # [S, P] int32 page ids per sequence (null page beyond its length)
-    sample_index: jax.Array = per_seq()  # [S] int32 row of each sequence's last token, whose logits are sampled
+    # Draw rows (Q of them): one per sequence (its last token's logits), plus one per draft token it verifies
+    # (the logits before each draft), contiguous per sequence; a step without drafts has row i = sequence i.
+    row_index: jax.Array = packed("Q")  # [Q] int32 token row whose logits the draw reads
+    row_seq: jax.Array = packed("Q")  # [Q] int32 the draw's sequence row
+    row_pos: jax.Array = packed("Q", fill=-1)  # [Q] int32 its place among its sequence's draws; -1: padding
+    row_draft: jax.Array = packed("Q", fill=-1)  # [Q] int32 the draft token the draw verifies; -1: none
     slots: jax.Array = per_seq(fill="R", source="slot")  # [S] int32 sampler-state row (padding: the scratch row)
     fresh: jax.Array = per_seq(source="first_chunk")  # [S] int32 1 where that row's state starts over
     # [S] int32 top logprobs wanted for the drawn token; -1: none at all
@@ -65,11 +71,22 @@ class BatchLayout:
     max_pages: int  # P
     bias_entries: int  # B: logit-bias / allowed-token entries per row
     scratch_slot: int  # R: the sampler-state row padding rows use (max_num_seqs)
+    max_drafts: int = 0  # K: draft tokens a sequence may verify in one step (speculative decoding)
+
+    @property
+    def draws(self) -> int:
+        """Draws per sequence at most: one per draft token, plus one."""
+        return self.max_drafts + 1
+
+    @property
+    def rows(self) -> int:
+        """Q: draw rows. Every draw reads a token's logits, so a step never has more than it has tokens."""
+        return min(self.tokens, self.seqs * self.draws)
 
     @functools.cached_property
     def packing(self) -> Packing:
-        return Packing(StepBatch, {"T": self.tokens, "S": self.seqs, "P": self.max_pages, "B": self.bias_entries,
-                                   "R": self.scratch_slot})
+        return Packing(StepBatch, {"T": self.tokens, "S": self.seqs, "Q": self.rows, "P": self.max_pages,
+                                   "B": self.bias_entries, "R": self.scratch_slot})
 
     @functools.cached_property
     def sources(self) -> tuple[list, list]:
@@ -140,7 +157,7 @@ class BatchBuilder:
                 tokens.extend(seq.token_ids)
         b.tokens[:total] = tokens
         b.kv_lens[:n] = starts + lens
-        b.sample_index[:n] = cu[1:n + 1] - 1
+        self._draw_rows(seqs, cu[1:n + 1], b, layout)
         b.page_tables[:n] = self.tables[slots]
         always, processing = layout.sources
         for path, get in always:
@@ -154,6 +171,31 @@ class BatchBuilder:
             if seq.prompt_targets:
                 b.prompt_target[cu[i]:cu[i] + len(seq.prompt_targets)] = seq.prompt_targets
         return ints, floats
+
+    @staticmethod
+    def _draw_rows(seqs: list[ScheduledSeq], ends: np.ndarray, b: StepBatch, layout: BatchLayout) -> None:
+        """Each sequence's draw rows: its last `drafts + 1` tokens, whose logits decide the token after each."""
+        n = len(seqs)
+        drafts = np.fromiter((s.num_draft_tokens for s in seqs), np.int32, n)
+        if not drafts.any():  # row i is sequence i
+            b.row_index[:n] = ends - 1
+            b.row_seq[:n] = np.arange(n)
+            b.row_pos[:n] = 0
+            return
+        if drafts.max() > layout.max_drafts:
+            raise ValueError(f"a sequence verifies {drafts.max()} draft tokens; the step programs were built for "
+                             f"at most {layout.max_drafts} (speculative_config's num_speculative_tokens)")
+        counts = drafts + 1
+        first = np.cumsum(counts) - counts
+        total = int(counts.sum())
+        seq_of_row = np.repeat(np.arange(n, dtype=np.int32), counts)
+        pos = np.arange(total, dtype=np.int32) - first[seq_of_row]
+        b.row_seq[:total] = seq_of_row
+        b.row_pos[:total] = pos
+        b.row_index[:total] = ends[seq_of_row] - counts[seq_of_row] + pos
+        for i in np.flatnonzero(drafts):
+            d = int(drafts[i])
+            b.row_draft[first[i]:first[i] + d] = seqs[i].token_ids[-d:]
 
     @staticmethod
     def _bias_entries(seqs: list[ScheduledSeq], p: LogitsParams) -> None:

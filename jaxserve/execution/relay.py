@@ -57,7 +57,7 @@ class LeaderRunner(ModelRunner):
     def _build_program(self, layout: BatchLayout) -> None:
         # Every process must compile the program its collectives run. No sequences: every token writes to
         # the null page.
-        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.samples)
+        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.draws.last)
 
     def call(self, work, on_follower=None):
         try:

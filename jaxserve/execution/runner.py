@@ -49,7 +49,7 @@ from sharding.rules import kv_cache_spec, kv_scales_spec
 @dataclasses.dataclass
 class ManualStep:
     """`ModelRunner.run`'s answer, on the host."""
-    samples: np.ndarray  # [seqs] the token drawn after each sequence's span
+    samples: np.ndarray  # [seqs] the token drawn after each sequence's span (its first draw)
     logits: np.ndarray  # [tokens, vocab] float32, every row's
     rows: list[slice]  # each sequence's rows of `logits`
     results: StepResults  # everything else the step returned (logprobs), as numpy
@@ -65,29 +65,39 @@ class LaunchedStep:
     launched_at: float = 0.0  # time.perf_counter() at dispatch
     done_at: float | None = None  # when the host had its samples (set by `sampled`)
     waited: bool = False  # the host blocked for them: `done_at` is when the device finished
+    # What the step ran on, for a draft model that follows the target's tokens (`jaxserve/speculative/`).
+    layout: BatchLayout | None = None
+    ints: np.ndarray | None = None
+    floats: np.ndarray | None = None
+    prev_samples: jax.Array | None = None  # [max_num_seqs] the previous step's last standing tokens
 
     def sampled(self) -> SampledTokens:
         """Block until the step is done; its draws on the host (logprobs fetched only when asked for)."""
-        self.waited = not self.results.samples.is_ready()
-        samples = to_host(self.results.samples)
+        rows = len(self.step.seqs)
+        draws = self.results.draws
+        self.waited = not draws.accepted.is_ready()
+        accepted = to_host(draws.accepted)[:rows]
+        tokens = to_host(draws.tokens)[:rows]
         self.done_at = time.perf_counter()
-        pooled = None if self.results.pooled is None else to_host(self.results.pooled)
-        return SampledTokens.one_per_row(samples, self.step, self.logprobs, pooled)
+        drew = np.fromiter((seq.samples for seq in self.step.seqs), np.bool_, rows)
+        pooled = None if self.results.pooled is None else to_host(self.results.pooled)[:rows]
+        return SampledTokens(tokens, np.where(drew, accepted, 0).astype(np.int32), self.logprobs, pooled)
 
     def logprobs(self) -> SampleLogprobs:
         r = jax.tree.map(to_host, self.results)
-        return SampleLogprobs(r.sample_logprob[:, None], r.sample_rank[:, None], r.top_ids[:, None],
-                              r.top_logprobs[:, None], r.prompt_logprob, r.prompt_rank, r.prompt_top_ids,
-                              r.prompt_top_logprobs)
+        d = r.draws
+        return SampleLogprobs(d.sample_logprob, d.sample_rank, d.top_ids, d.top_logprobs, r.prompt_logprob,
+                              r.prompt_rank, r.prompt_top_ids, r.prompt_top_logprobs)
 
 
 class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
-                 pooling: bool = False, lora: LoRASlots | None = None):
+                 pooling: bool = False, lora: LoRASlots | None = None, max_drafts: int = 0):
         """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`);
-        `lora`: the LoRA adapters' device slots (`enable_lora`)."""
+        `lora`: the LoRA adapters' device slots (`enable_lora`); `max_drafts`: draft tokens a sequence may
+        verify per step (speculative decoding; 0: off)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -102,7 +112,7 @@ class ModelRunner:
         max_seqs = scheduler_config.max_num_seqs
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
-                                  sampler_config.max_logit_bias, max_seqs) for b in scheduler_config.token_buckets}
+                                  sampler_config.max_logit_bias, max_seqs, max_drafts) for b in scheduler_config.token_buckets}
         self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
         # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
         # (1 GB for a 1B model: ~1 s), which then overlaps warm-up's first compilation. Compiling needs only
@@ -222,9 +232,6 @@ class ModelRunner:
     def launch(self, step: StepPlan, masks: np.ndarray | None = None, with_logits: bool = False) -> LaunchedStep:
         """Dispatch one step of the plan; returns without waiting for the device. `masks`: the allowed-token
         bitmask of the plan's rows ([rows, ceil(vocab / 32)] int32), when some draw is constrained."""
-        if any(seq.num_draft_tokens for seq in step.seqs):
-            raise NotImplementedError("the step program draws once per sequence: verifying draft tokens is "
-                                      "not supported yet")
         layout = self.compiler.layout_for(step.num_tokens)
         ints, floats = self.builder.build(step, layout, constrained=masks is not None)
         if masks is not None:  # the plan's rows, then all-allowed padding rows up to the layout's
@@ -235,23 +242,26 @@ class ModelRunner:
                   masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         masks = self._open_masks[layout.tokens] if masks is None else jax.device_put(masks, self.plan.replicated)
-        args = (self._param_leaves, self.kv_cache, self.sampler_state, self._prev_samples, ints, floats, masks,
+        prev_samples = self._prev_samples
+        args = (self._param_leaves, self.kv_cache, self.sampler_state, prev_samples, ints, floats, masks,
                 None if self.lora is None else self.lora.stack)
         launched_at = time.perf_counter()
         with self.events.counting():
             self.kv_cache, self.sampler_state, results, logits = self.compiler.program(layout, with_logits)(*args)
-        self._prev_samples = results.samples
-        results.samples.copy_to_host_async()  # the engine reads them next iteration; start the copy now
+        self._prev_samples = results.draws.last
+        for out in (results.draws.tokens, results.draws.accepted):
+            out.copy_to_host_async()  # the engine reads them next iteration; start the copy now
         if results.pooled is not None:
             results.pooled.copy_to_host_async()
-        return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at)
+        return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at, layout=layout,
+                            ints=ints, floats=floats, prev_samples=prev_samples)
 
     def time_idle_step(self, bucket: int) -> float:
         """Seconds one step of `bucket`'s ready program takes, dispatch to samples on the host, with no
         sequence in it (every token writes to the null page). Only while no request runs."""
         layout = self.layouts[bucket]
         start = time.perf_counter()
-        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.samples)
+        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.draws.last)
         seconds = time.perf_counter() - start
         self._prev_samples = self._no_samples
         return seconds
@@ -263,7 +273,7 @@ class ModelRunner:
         out = self.launch(step, masks=masks, with_logits=True)
         bounds = np.cumsum([0] + [seq.num_tokens for seq in step.seqs])
         results = jax.tree.map(to_host, out.results)
-        return ManualStep(results.samples[:len(step.seqs)], to_host(out.logits),
+        return ManualStep(results.draws.tokens[:len(step.seqs), 0], to_host(out.logits),
                           [slice(a, b) for a, b in zip(bounds, bounds[1:])], results)
 
 

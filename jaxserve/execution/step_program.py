@@ -7,10 +7,10 @@
 2. The body (`_step_local`, on each device's shards) unpacks the buffers into a `StepBatch`, takes the
    tokens that are still on the device from the previous step's samples, runs every layer over the flat
    tokens (pipeline stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their
-   slots and attends through the backend's ragged paged attention, then applies the grammar masks and
-   the logits processing and samples each sequence's last row. Log-probabilities are computed only when
-   some row asked for them. A pooling runner's program stops at the final norm instead: it pools one
-   row per sequence (`jaxserve/pooling/device.py`) and samples nothing.
+   slots and attends through the backend's ragged paged attention, then draws each sequence's rows
+   (grammar masks, logits processing, sampling, draft verification: `draws.py`). Log-probabilities are
+   computed only when some row asked for them. A pooling runner's program stops at the final norm
+   instead: it pools one row per sequence (`jaxserve/pooling/device.py`) and samples nothing.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
+from jaxserve.execution.draws import Draws, draw
 from jaxserve.lora.delta import LoRAInputs, LoRAStack
 from jaxserve.model.kv_cache import KVCache, attention_operands
 from jaxserve.pooling.device import pool_rows
-from jaxserve.sampling.logits import SamplerState, apply_token_masks, process, record_tokens, token_logprobs
-from jaxserve.sampling.sampler import sample
+from jaxserve.sampling.logits import SamplerState, record_tokens, token_logprobs
 from jaxserve.scheduling.pages import NULL_PAGE
 from sharding import TP_AXES, MeshPlan
 from sharding.pipeline import num_microbatches, run_pipeline
@@ -37,12 +37,8 @@ from sharding.pipeline import num_microbatches, run_pipeline
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepResults:
-    """What one step returns besides the cache (R = max_num_seqs sample rows, T = the token bucket)."""
-    samples: jax.Array  # [R] int32: row i is the token sampled for chunk i of the plan
-    sample_logprob: jax.Array  # [R] float32 raw logprob of that token (rows that asked for logprobs)
-    sample_rank: jax.Array  # [R] int32 its rank, 1 = the most likely
-    top_ids: jax.Array  # [R, K] int32 the K most likely tokens
-    top_logprobs: jax.Array  # [R, K] float32 their logprobs
+    """What one step returns besides the cache (T = the token bucket, K = top logprobs)."""
+    draws: Draws  # by sequence row: chunk i of the plan is row i (`draws.py`)
     prompt_logprob: jax.Array  # [T] float32 logprob of each row's `prompt_target` (prompt logprobs)
     prompt_rank: jax.Array  # [T] int32
     prompt_top_ids: jax.Array  # [T, K] int32
@@ -136,26 +132,25 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
     if pooling:  # prefill only: no LM head, nothing drawn
-        return kv_cache, sampler_state, _pooled_results(hidden, batch, num_samples, num_tokens, top), None
-    # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
-    raw = apply_token_masks(model.logits(hidden[batch.sample_index], TP_AXES), masks, batch.constrained)
-    samples = sample(process(raw, sampler_state, batch.slots, batch.processing), batch.sampling)
-    sample_lp = _maybe_logprobs(jnp.any(batch.logprobs >= 0), lambda: raw, samples, top)
+        return kv_cache, sampler_state, _pooled_results(hidden, batch, layout, num_samples, num_tokens, top), None
+    draws, sampler_state = draw(lambda h: model.logits(h, TP_AXES), hidden, batch, sampler_state, masks, layout,
+                                num_samples, top)
     targets = batch.prompt_target
     prompt_lp = _maybe_logprobs(jnp.any(targets >= 0), lambda: model.logits(hidden, TP_AXES),
                                 jnp.maximum(targets, 0), top)
-    pad = lambda a: jnp.zeros((num_samples,) + a.shape[1:], a.dtype).at[:layout.seqs].set(a)
-    results = StepResults(pad(samples), *map(pad, sample_lp), *prompt_lp)
+    results = StepResults(draws, *prompt_lp)
     logits = model.logits(hidden, TP_AXES) if with_logits else None
     return kv_cache, sampler_state, results, logits
 
 
-def _pooled_results(hidden, batch: StepBatch, num_samples: int, num_tokens: int, top: int) -> StepResults:
-    zeros = jnp.zeros
-    return StepResults(zeros(num_samples, jnp.int32), zeros(num_samples, jnp.float32), zeros(num_samples, jnp.int32),
-                       zeros((num_samples, top), jnp.int32), zeros((num_samples, top), jnp.float32),
-                       zeros(num_tokens, jnp.float32), zeros(num_tokens, jnp.int32), zeros((num_tokens, top), jnp.int32),
-                       zeros((num_tokens, top), jnp.float32),
+def _pooled_results(hidden, batch: StepBatch, layout: BatchLayout, num_samples: int, num_tokens: int,
+                    top: int) -> StepResults:
+    zeros, d = jnp.zeros, layout.draws
+    nothing_drawn = Draws(zeros(num_samples, jnp.int32), zeros((num_samples, d), jnp.int32), zeros(num_samples, jnp.int32),
+                          zeros((num_samples, d), jnp.float32), zeros((num_samples, d), jnp.int32),
+                          zeros((num_samples, d, top), jnp.int32), zeros((num_samples, d, top), jnp.float32))
+    return StepResults(nothing_drawn, zeros(num_tokens, jnp.float32), zeros(num_tokens, jnp.int32),
+                       zeros((num_tokens, top), jnp.int32), zeros((num_tokens, top), jnp.float32),
                        pooled=pool_rows(hidden, batch.cu_q_lens, batch.pooling, num_samples))
 
 

@@ -70,6 +70,9 @@ class Scheduler:
         self.lora = lora
         self.slots: list[Request | None] = [None] * scheduler_config.max_num_seqs
         self.num_preemptions = 0
+        # Positions past its next span a decoding sequence holds pages for: a draft model writes the K/V of
+        # its own drafts there (speculative decoding; 0 otherwise).
+        self.lookahead = 0
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache (counted at admission)
         self.prefix_cache_hits = 0  # of those, tokens whose K/V came from the cache
         # What steps cost on the device: the engine calibrates it at warm-up and feeds it measured steps.
@@ -159,7 +162,9 @@ class Scheduler:
     def _wants_decode(request: Request) -> bool:
         # A sequence at its length limit only waits for its pending token, which finishes it. A constrained
         # one waits for its pending token too: its next draw's mask depends on it.
-        return (request.is_decoding and request.num_tokens < request.max_len
+        # A prompt's last token is a decode's shape too, but it goes through `_prefill_seq`, which forks
+        # the request's other choices once its prompt is in.
+        return (request.is_decoding and not request.is_prefilling and request.num_tokens < request.max_len
                 and not (request.constrained and request.num_pending))
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
@@ -314,7 +319,7 @@ class Scheduler:
         for request in sorted((r for r in self.slots if r is not None and self._wants_decode(r)),
                               key=lambda r: r.arrival):
             span = 1 + len(request.draft_token_ids) if not request.num_pending else 1
-            end = min(request.num_computed + span, request.max_len)
+            end = min(request.num_computed + span + self.lookahead, request.max_len)
             while request.status is Status.RUNNING and pages_needed(end, self.page_size) > len(request.pages):
                 page = self.allocator.allocate(1)
                 if page is not None:

@@ -20,6 +20,27 @@ class EngineStats:
     steps: int = 0
     step_sequences: int = 0
     step_tokens: int = 0
+    # Speculative decoding, as vLLM counts it: sequences that verified drafts in a step, the drafts, those
+    # that stood, and per draft position how often it stood.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list = dataclasses.field(default_factory=list)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """One sequence verified `drafted` drafts in a step and `accepted` of them stood."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        if len(self.spec_accepted_per_pos) < drafted:
+            self.spec_accepted_per_pos.extend([0] * (drafted - len(self.spec_accepted_per_pos)))
+        for position in range(accepted):
+            self.spec_accepted_per_pos[position] += 1
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens each verification made, the drawn one included (vLLM's mean acceptance length)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else None
 
     def count_step(self, step: StepPlan) -> None:
         self.steps += 1

@@ -143,6 +143,8 @@ class RequestTracker:
                 outputs.extend(self._pool(request, seq, sampled.pooled[row]))
             elif seq.samples:
                 accepted = int(sampled.num_accepted[row])
+                if seq.num_draft_tokens:
+                    self.stats.count_drafts(seq.num_draft_tokens, accepted - 1)
                 self.scheduler.accept_draws(request, seq, accepted)
                 outputs.append(self._advance(request, sampled.tokens[row, :accepted], row, results))
             # The step wrote the K/V of its tokens: later readers run after it on the device.

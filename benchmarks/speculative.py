@@ -1,0 +1,143 @@
+"""Speculative decoding, on vs off, in one run on one machine: output tokens per second of the offline engine
+at concurrency 1, 4 and 16 on two workloads, acceptance per draft position beside each figure, and the cost
+of a (K+1)-token step against a 1-token step at batch 1.
+
+1. Workloads. `grounded`: prompts whose answers reuse spans of the prompt (a story told twice and begun a
+   third time, so the model's continuation retraces it: what prompt lookup is for). `random`: random token
+   prompts, as `../shared/peers/side_by_side.sh` sends. Each request asks for `--max-tokens` greedy tokens
+   with `ignore_eos`.
+2. For each configuration (`off`, `ngram`, and `draft` when `--draft-model` is given) one engine is built
+   and warmed up; each concurrency runs `--requests` requests (at most that many at once: max_num_seqs =
+   the concurrency) and is timed from the first add to the last token. The greedy outputs of every
+   speculative run are checked against `off`'s, token for token.
+3. Step cost: the runner runs one decode span of 1 token and one of K + 1 tokens (K drafts) for a single
+   sequence, many times each; the ratio of the median times is printed.
+Prints one JSON line per measurement and a markdown table at the end.
+
+    ./dev run python benchmarks/speculative.py --model ../shared/models/stories260K [--draft-model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import time
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
+         "she saw a big, red ball. She wanted to play with it, but it was too high.")
+
+
+def workload(llm: LLM, kind: str, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    rng = random.Random(seed)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = []
+    for i in range(count):
+        if kind == "grounded":
+            words = STORY.split()
+            cut = rng.randint(3, len(words) // 2)
+            prompts.append(tokenizer.encode(f"{STORY} {STORY} " + " ".join(words[:cut])))
+        else:
+            prompts.append([1] + [rng.randrange(3, vocab) for _ in range(prompt_tokens - 1)])
+    return prompts
+
+
+def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    seconds = time.perf_counter() - start
+    return len(prompts) * max_tokens / seconds, [outputs[i] for i in ids]
+
+
+def step_cost(llm: LLM, k: int, repeats: int) -> float:
+    """Median seconds of a batch-1 decode span of k + 1 tokens over one of 1 token (a runner of its own)."""
+    runner = llm.engine.runner
+    pages = list(range(1, 1 + (256 + k) // llm.engine.cache_config.page_size + 1))
+
+    def median(tokens: int) -> float:
+        times = []
+        for _ in range(repeats):
+            seq = dataclasses.replace(ScheduledSeq.for_sequence(0, pages, 200, [5] * tokens),
+                                      num_draft_tokens=tokens - 1)
+            start = time.perf_counter()
+            runner.launch(StepPlan.of([seq])).sampled()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    median(1), median(k + 1)  # warm
+    return median(k + 1) / median(1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="random workload's prompt length")
+    ap.add_argument("--step-repeats", type=int, default=30)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    configs = {"off": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
+                         "prompt_lookup_max": 4}}
+    if args.draft_model:
+        configs["draft"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    rows, reference = [], {}
+    for name, spec in configs.items():
+        for concurrency in levels:
+            llm = LLM(args.model, max_num_seqs=concurrency, speculative_config=spec,
+                      max_num_batched_tokens=max(64, concurrency * (args.k + 1)))
+            for kind in ("grounded", "random"):
+                prompts = workload(llm, kind, max(args.requests, concurrency), args.prompt_tokens)
+                stats = llm.engine.stats
+                before = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens,
+                          list(stats.spec_accepted_per_pos))
+                tok_s, outputs = run_load(llm, prompts, args.max_tokens)
+                drafts = stats.spec_drafts - before[0]
+                per_pos = [a - (before[3][i] if i < len(before[3]) else 0)
+                           for i, a in enumerate(stats.spec_accepted_per_pos)]
+                row = {"bench": "speculative", "model": args.model, "config": name, "workload": kind,
+                       "concurrency": concurrency, "output_tok_s": round(tok_s, 1),
+                       "acceptance": round((stats.spec_accepted_tokens - before[2])
+                                           / max(stats.spec_draft_tokens - before[1], 1), 3),
+                       "per_position": [round(a / drafts, 3) for a in per_pos] if drafts else [],
+                       "compilations_after_warmup": llm.engine.compilations_since_warmup}
+                key = (kind, concurrency)
+                if name == "off":
+                    reference[key] = outputs
+                else:
+                    row["same_tokens_as_off"] = outputs == reference.get(key)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if name != "off" and concurrency == levels[0]:
+                ratio = step_cost(llm, args.k, args.step_repeats)
+                print(json.dumps({"bench": "speculative-step-cost", "model": args.model, "k": args.k,
+                                  "k_plus_1_over_1": round(ratio, 3)}), flush=True)
+            del llm
+    off = {(r["workload"], r["concurrency"]): r["output_tok_s"] for r in rows if r["config"] == "off"}
+    print("\n| workload | concurrency | config | out tok/s | vs off | acceptance | per position |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for r in rows:
+        ratio = r["output_tok_s"] / off[(r["workload"], r["concurrency"])]
+        print(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tok_s']} | {ratio:.2f}x | "
+              f"{r['acceptance'] if r['config'] != 'off' else ''} | {', '.join(map(str, r['per_position']))} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Speculative decoding without a model: the config, the n-gram proposer, the draw rows the batch builder
+lays out for drafts, and the on-device verification over hand-made logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.execution.batch import BatchBuilder, BatchLayout
+from jaxserve.execution.draws import draw
+from jaxserve.sampling.logits import SamplerState
+from jaxserve.sampling.params import SamplingParams
+from jaxserve.scheduling.request import Request
+from jaxserve.scheduling.stats import EngineStats
+from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+from jaxserve.speculative.ngram import NgramProposer
+from jaxserve.speculative.speculator import Speculator, exact_per_position
+
+VOCAB = 16
+
+
+def test_config_takes_vllms_json_and_names_what_is_wrong():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)  # vLLM: the missing bound is the other one
+    assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.parse({"model": "/d", "num_speculative_tokens": 2}).method == "draft_model"
+    for bad, words in [("{", "JSON"), ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "ngram"}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo")]:
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
+
+
+def request(tokens, **params) -> Request:
+    return Request("r", list(tokens), SamplingParams(max_tokens=None, **params), seed=0, max_len=100)
+
+
+def test_ngram_drafts_what_followed_the_longest_earlier_match():
+    proposer = NgramProposer(3, 1, 3)
+    r = request([5, 6, 7, 8, 9, 1, 6, 7, 8, 2, 3, 6, 7, 8])
+    # "6 7 8" occurred twice before: the latest occurrence was followed by 2 3 6.
+    assert proposer.propose([r]) == [[2, 3, 6]]
+    r.token_ids += [2, 3, 4]  # a new token the index catches up on: "4" never occurred
+    assert proposer.propose([r]) == [[]]
+    r.token_ids.append(9)  # the 1-gram "9" was followed by 1
+    assert proposer.propose([r]) == [[1, 6, 7]]
+    proposer.forget([r.key])
+    assert not proposer._indexes
+
+
+def test_ngram_copy_continues_a_loop_past_the_end():
+    proposer = NgramProposer(5, 2, 2)
+    assert proposer.propose([request([1, 2, 1, 2])]) == [[1, 2, 1, 2, 1]]
+
+
+def test_only_sequences_that_draw_exactly_per_position_speculate():
+    assert exact_per_position(request([1], temperature=0.7, top_p=0.9, logprobs=3, logit_bias={3: 1.0}))
+    for params in [dict(presence_penalty=0.5), dict(frequency_penalty=0.1), dict(repetition_penalty=1.2),
+                   dict(min_tokens=4)]:
+        assert not exact_per_position(request([1], **params))
+    config = SpeculativeConfig("ngram", 2, disable_by_batch_size=3)
+    speculator = Speculator(config, NgramProposer(2, 1, 2))
+    assert speculator.enabled_for(2) and not speculator.enabled_for(3)
+
+
+def spec_step(drafts_per_seq: list[list[int]], params: SamplingParams) -> StepPlan:
+    """Decode spans: each sequence's last known token, then its drafts."""
+    seqs = []
+    for slot, drafts in enumerate(drafts_per_seq):
+        seq = ScheduledSeq.for_sequence(slot, [slot + 1], 3, [4 + slot] + drafts, params=params, seed=slot)
+        seqs.append(dataclasses.replace(seq, num_draft_tokens=len(drafts), num_prompt_tokens=3, first_chunk=False,
+                                        is_prefill=False))
+    return StepPlan.of(seqs)
+
+
+def test_the_builder_lays_out_a_draw_row_per_draft():
+    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2)
+    assert layout.rows == 8 and layout.draws == 3
+    ints, floats = BatchBuilder(3, 2, 4).build(spec_step([[7, 8], [], [9]], SamplingParams(temperature=0)), layout)
+    b = layout.packing.views(ints, floats)
+    np.testing.assert_array_equal(b.row_seq[:6], [0, 0, 0, 1, 2, 2])
+    np.testing.assert_array_equal(b.row_pos, [0, 1, 2, 0, 0, 1, -1, -1])
+    np.testing.assert_array_equal(b.row_index[:6], [0, 1, 2, 3, 4, 5])  # tokens: 4 7 8 | 5 | 6 9
+    np.testing.assert_array_equal(b.row_draft, [7, 8, -1, -1, 9, -1, -1, -1])
+
+
+def run_draw(step: StepPlan, logits: np.ndarray, counts: np.ndarray | None = None):
+    """`draw` over fixed logits per token row ([tokens, VOCAB]) for a step of 3 sequences with up to 2 drafts."""
+    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2)
+    ints, floats = BatchBuilder(3, 2, 4).build(step, layout)
+    batch = layout.unpack(jnp.asarray(ints), jnp.asarray(floats))
+    state = SamplerState(jnp.asarray(counts if counts is not None else np.zeros((4, VOCAB), np.int32)),
+                         jnp.zeros((4, VOCAB), bool))
+    masks = jnp.full((3, 1), -1, jnp.int32)
+    hidden = jnp.asarray(np.pad(logits, ((0, 8 - len(logits)), (0, 0))), jnp.float32)
+    draws, state = jax.jit(lambda h, b, s: draw(lambda x: x, h, b, s, masks, layout, 3, 2))(hidden, batch, state)
+    return jax.tree.map(np.asarray, draws), np.asarray(state.output_counts)
+
+
+def one_hot_logits(argmaxes: list[int]) -> np.ndarray:
+    return np.stack([np.eye(VOCAB, dtype=np.float32)[t] * 10 for t in argmaxes])
+
+
+def test_greedy_verification_keeps_the_longest_prefix_the_target_reproduces():
+    step = spec_step([[7, 8], [], [9]], SamplingParams(temperature=0))
+    # Rows: seq 0 reads tokens 0..2 and the target says 7 (matches), 3 (rejects 8), 11 (never reached);
+    # seq 1 has no drafts; seq 2's draft 9 matches and the bonus draw is 12.
+    counts = np.zeros((4, VOCAB), np.int32)
+    counts[0, [7, 8]] = 1  # what record_tokens counted for slot 0's drafts
+    draws, counts = run_draw(step, one_hot_logits([7, 3, 11, 10, 9, 12]), counts)
+    np.testing.assert_array_equal(draws.accepted, [2, 1, 2])
+    np.testing.assert_array_equal(draws.tokens[0, :2], [7, 3])
+    np.testing.assert_array_equal(draws.last, [3, 10, 12])
+    assert counts[0, 7] == 1 and counts[0, 8] == 0  # the rejected draft is uncounted
+
+
+def test_a_step_without_drafts_draws_one_row_per_sequence():
+    step = spec_step([[], [], []], SamplingParams(temperature=0))
+    draws, _ = run_draw(step, one_hot_logits([3, 4, 5]))
+    np.testing.assert_array_equal(draws.accepted, [1, 1, 1])
+    np.testing.assert_array_equal(draws.last, [3, 4, 5])
+
+
+def test_a_sampled_draw_is_the_same_with_and_without_drafts():
+    """The draw at each position uses that position's key: verifying drafts never changes a seeded token."""
+    params = SamplingParams(temperature=1.0, seed=3)
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, VOCAB)).astype(np.float32)
+    plain, _ = run_draw(spec_step([[], [], []], params), logits[[0, 3, 4]])
+    spec, _ = run_draw(spec_step([[7, 8], [], [9]], params), logits)
+    # Each sequence's first draw reads the same logits and key either way.
+    np.testing.assert_array_equal(spec.tokens[:, 0], plain.tokens[:, 0])
+
+
+def test_acceptance_is_counted_per_draft_position():
+    stats = EngineStats()
+    stats.count_drafts(3, 2)
+    stats.count_drafts(2, 0)
+    assert (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens) == (2, 5, 2)
+    assert stats.spec_accepted_per_pos == [1, 1, 0] and stats.spec_mean_accepted_length == 2.0
+
+
+def test_a_sequence_whose_drafts_keep_failing_is_not_waited_for_a_while():
+    """Reading the step in flight first idles the device; it pays off only while drafts stand."""
+    from jaxserve.scheduling.request import Status
+    from jaxserve.speculative import speculator as module
+
+    speculator = Speculator(SpeculativeConfig("ngram", 2), NgramProposer(2, 1, 1))
+    r = request([1, 2, 3, 4, 5, 6, 7, 8, 9])  # each token followed by the next: after t, "t + 1 ..." is drafted
+    r.token_ids.append(1)  # its first output token, known
+    r.status, r.num_computed, r.prefill_target = Status.RUNNING, 9, 9
+    speculator.prepare([r])
+    assert speculator.wants_draws_first([r])
+    for _ in range(2):  # the target drew t + 2 instead: no draft stood, twice
+        speculator.propose([r])
+        drafted = r.draft_token_ids[0]
+        assert drafted == r.token_ids[-1] + 1
+        r.draft_token_ids = []
+        r.token_ids.append(drafted + 1)
+        r.num_computed = len(r.token_ids) - 1
+    speculator.propose([r])
+    speculator.prepare([r])
+    assert not speculator.wants_draws_first([r])
+    speculator.proposals += module.RETRY_STEPS
+    speculator.prepare([r])
+    assert speculator.wants_draws_first([r])
