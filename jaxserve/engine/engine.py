@@ -11,8 +11,8 @@
    meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Step times feed the scheduler's step-time model (`scheduling/step_cost.py`): idle steps timed at
-   warm-up, then each step the host waited for, from when the device could start it to its samples.
+4. Step times feed the scheduler's step-time model (`step_timing.py`, `scheduling/step_cost.py`): idle steps
+   timed at warm-up, then each step the host waited for, from when the device could start it to its samples.
    With LoRA, `self.lora` (`jaxserve/lora/manager.py`) reads each request's adapter at `add_request`
    and fills the device slots the scheduler asks for at admission.
 5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
@@ -28,11 +28,11 @@ import time
 import uuid
 from typing import Callable, Sequence, TypeVar
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
 from jaxserve.engine.pooling_requests import PoolingRequests
+from jaxserve.engine.step_timing import StepTiming
 from jaxserve.engine.precision import Precision
 from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import WrongRunner
@@ -49,7 +49,7 @@ from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
-from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
+from jaxserve.scheduling.step_cost import StepClock
 from jaxserve.scheduling.update import RequestTracker
 from jaxserve.scheduling.validation import validate_priority, validate_request
 from jaxserve.speculative.build import build_speculator
@@ -57,10 +57,9 @@ from sharding import multihost
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-SHORT_STEP_SECONDS = 0.1  # warm-up times a step this short twice (see calibrate_step_cost)
 
 
-class Engine(PoolingRequests):
+class Engine(PoolingRequests, StepTiming):
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
         """`built`: a model assembled by the caller (`builder.build_from_module`); default: `build_model(args)`."""
         started = time.perf_counter()
@@ -141,36 +140,6 @@ class Engine(PoolingRequests):
                     *(self.startup_seconds[k] for k in ("total", "weights", "kv_cache", "compile")),
                     f" ({pending} more step programs compiling in the background)" if pending else "")
         return time.perf_counter() - start
-
-    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
-        """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
-        model; a short one twice, the faster counting (a first run pays one-off costs, and a long one
-        would add seconds to the start of a big model). Only while no request runs (an idle server: the
-        async engine calls it once background compilation is done, a bucket per idle moment); in a
-        multi-host run the model learns from served steps alone."""
-        buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
-        if not self.calibration_due or self.has_unfinished():
-            return
-        cost = self.scheduler.step_cost
-        for bucket in buckets:
-            seconds = self.runner.time_idle_step(bucket)
-            if seconds < SHORT_STEP_SECONDS:
-                seconds = min(seconds, self.runner.time_idle_step(bucket))
-            cost.observe(bucket, 0, seconds)
-            self._timed_buckets.add(bucket)
-        if self.calibration_due:
-            return  # the log line comes with the last bucket
-        target = self.scheduler.itl_target()
-        logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
-                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
-                    "off" if target is None else f"{1e3 * target:.1f} ms")
-
-    @property
-    def calibration_due(self) -> bool:
-        """Every program is compiled and some bucket's step has not been timed yet (never in a multi-host
-        run: its processes would have to run the timing steps together)."""
-        return (jax.process_count() == 1 and self.runner.warmup_report is not None
-                and len(self._timed_buckets) < len(self.runner.ready_buckets))
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -292,14 +261,6 @@ class Engine(PoolingRequests):
         sampled = launched.sampled()
         self._measure(launched)
         return self.tracker.update_from_output(launched.step, sampled)
-
-    def _measure(self, launched: LaunchedStep) -> None:
-        """Feed the step-time model the step's device time, where it can be told."""
-        if launched.done_at is None:
-            return  # a runner that keeps no times
-        seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
-        if seconds is not None:
-            self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:
