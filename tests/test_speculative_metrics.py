@@ -11,6 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.precision import Precision
 from jaxserve.entrypoints.args import engine_args_from
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.scheduling.stats import EngineStats
@@ -27,7 +28,8 @@ def fake_async_engine(speculator):
                                 prefix_cache_queries=0, prefix_cache_hits=0)
     engine = SimpleNamespace(model_name="m", scheduler=scheduler, stats=stats, compilations_since_warmup=0,
                              startup_seconds={}, runner=SimpleNamespace(ready_buckets=(8,), layouts={8: None}),
-                             speculator=speculator)
+                             speculator=speculator, lora=None,
+                             precision=Precision("float32", None, None, None, 4096, "float32", 1024, 64, "blocked (jnp)"))
     ready = threading.Event()
     ready.set()
     return SimpleNamespace(engine=engine, ready=ready)
