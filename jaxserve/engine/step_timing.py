@@ -1,0 +1,64 @@
+"""Step times for the scheduler's step-time model (`jaxserve/scheduling/step_cost.py`), as the engine
+measures them.
+
+1. Calibration: once every program is compiled, an idle step of each bucket is timed (a short one twice,
+   the faster counting), while no request runs: at warm-up, or a bucket per idle moment of a server whose
+   programs compiled in the background. Not in a multi-host run: its processes would have to run the
+   timing steps together; its model learns from served steps alone.
+2. Online: each step whose samples the host waited for is measured from when the device could start it
+   (its launch, or the end of the step before) to their arrival (`StepClock`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from jaxserve.execution.runner import LaunchedStep
+from jaxserve.scheduling.step_cost import kv_tokens_read
+
+logger = logging.getLogger("jaxserve.engine.engine")
+SHORT_STEP_SECONDS = 0.1  # an idle step this short is timed twice
+
+
+class StepTiming:
+    """Mixed into `Engine`, whose runner, scheduler, _timed_buckets and _step_clock it uses."""
+
+    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
+        """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
+        model; a short one twice, the faster counting (a first run pays one-off costs, and a long one
+        would add seconds to the start of a big model). Only while no request runs (an idle server: the
+        async engine calls it once background compilation is done, a bucket per idle moment); in a
+        multi-host run the model learns from served steps alone."""
+        buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
+        if not self.calibration_due or self.has_unfinished():
+            return
+        cost = self.scheduler.step_cost
+        for bucket in buckets:
+            seconds = self.runner.time_idle_step(bucket)
+            if seconds < SHORT_STEP_SECONDS:
+                seconds = min(seconds, self.runner.time_idle_step(bucket))
+            cost.observe(bucket, 0, seconds)
+            self._timed_buckets.add(bucket)
+        if self.calibration_due:
+            return  # the log line comes with the last bucket
+        target = self.scheduler.itl_target()
+        logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
+                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
+                    "off" if target is None else f"{1e3 * target:.1f} ms")
+
+    @property
+    def calibration_due(self) -> bool:
+        """Every program is compiled and some bucket's step has not been timed yet (never in a multi-host
+        run: its processes would have to run the timing steps together)."""
+        return (jax.process_count() == 1 and self.runner.warmup_report is not None
+                and len(self._timed_buckets) < len(self.runner.ready_buckets))
+
+    def _measure(self, launched: LaunchedStep) -> None:
+        """Feed the step-time model the step's device time, where it can be told."""
+        if launched.done_at is None:
+            return  # a runner that keeps no times
+        seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
+        if seconds is not None:
+            self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)
