@@ -52,7 +52,7 @@ from server.lora_routes import lora_routes
 from server.responses import model_card
 from server.completions import completions_route
 from server.embeddings import embeddings_route, runner_route
-from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
+from server.errors import APIError, check_strings, error_response, internal_error, request_id_of, validation_error
 from server.reasoning import ReasoningParser
 from server.response_store import ResponseStore
 from server.responses_api import delete_response_route, get_response_route, responses_route
@@ -120,7 +120,7 @@ class OpenAIServer:
             raise APIError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
-        _check_strings(data)
+        check_strings(data)
         try:
             body = schema.model_validate(data)
         except ValidationError as e:
@@ -383,24 +383,6 @@ class OpenAIServer:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
-
-
-def _check_strings(value, path: str = "") -> None:
-    """Every string in the body must be encodable UTF-8: JSON's \\ud800 escapes decode to lone surrogates,
-    which no tokenizer (and no response) can carry."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, f"{path or 'body'}: the string is not valid Unicode (a lone surrogate)",
-                           param=path or None) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_strings(key, path)
-            _check_strings(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_strings(item, f"{path}.{i}")
 
 
 def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions()) -> Starlette:

@@ -31,6 +31,24 @@ def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
 
 
+def check_strings(value, path: str = "") -> None:
+    """Every string in the body must be encodable UTF-8: JSON's \\ud800 escapes decode to lone surrogates,
+    which no tokenizer (and no response) can carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"{path or 'body'}: the string is not valid Unicode (a lone surrogate)",
+                           param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_strings(key, path)
+            check_strings(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_strings(item, f"{path}.{i}")
+
+
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
 
 

@@ -173,3 +173,11 @@ def test_jaxserve_rooms_import_only_rooms_below_them():
     graph = import_graph(project_sources())
     assert upward_imports(graph) == []
     assert {room_of(m) for m in graph if room_of(m) not in (None, "")} == set(ROOM_LEVELS)  # every room exists
+
+
+def test_the_engine_loop_stays_short_and_no_module_grows_past_450_lines():
+    """Issue 25's size limits: a module that outgrows them is doing two jobs and wants splitting."""
+    lengths = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
+               for folder in (*PACKAGES, "tests", "benchmarks", "tools") for path in (ROOT / folder).rglob("*.py")}
+    assert lengths["jaxserve/engine/engine.py"] < 300
+    assert {path: n for path, n in lengths.items() if n > 450} == {}
