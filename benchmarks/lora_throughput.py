@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's")
+    p.add_argument("--target-itl-ms", type=float, default=None,
+                   help="both engines' ITL cap (default: each derives its own at warm-up; 0: no cap)")
     return p.parse_args(argv)
 
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = random_model(config, jnp.float32, a.seed)
     common = dict(max_num_seqs=a.concurrency, max_model_len=a.prompt_tokens + a.output_tokens + 16,
-                  max_num_batched_tokens=a.max_num_batched_tokens)
+                  max_num_batched_tokens=a.max_num_batched_tokens, target_itl_ms=a.target_itl_ms)
     engines = {}
     for name, extra in (("plain", {}), ("lora", dict(enable_lora=True, max_loras=a.adapters, max_lora_rank=a.rank))):
         args = EngineArgs(**common, **extra)

@@ -54,15 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3, help="timed runs after one untimed run")
     p.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench")
     p.add_argument("--gguf", default=None, help="the same model as GGUF, for llama-bench")
+    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8 or fp8 weights")
+    p.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto, int8 or fp8")
     a = p.parse_args(argv)
 
-    llm = LLM(a.model)
+    llm = LLM(a.model, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     decode_tokens_per_second(llm, a.tokens)  # untimed: first-call effects stay out of the numbers
     runs = [decode_tokens_per_second(llm, a.tokens) for _ in range(a.runs)]
     assert llm.engine.compilations_since_warmup == 0, "decoding must not compile after warm-up"
     ours = statistics.median(runs)
-    print(json.dumps({"stack": "jaxserve-offline", "n_gen": a.tokens, "tok_s": ours, "runs": runs}))
-    print(f"\njaxserve LLM batch-1 decode ({os.cpu_count()} CPUs, defaults): {ours:.1f} tok/s "
+    print(json.dumps({"stack": "jaxserve-offline", "n_gen": a.tokens, "tok_s": ours, "runs": runs,
+                      "precision": llm.engine.precision.describe()}))
+    print(f"\njaxserve LLM batch-1 decode ({os.cpu_count()} CPUs, {a.quantization or 'no'} quantization, "
+          f"KV {a.kv_cache_dtype}): {ours:.1f} tok/s "
           f"(median of {a.runs}: {', '.join(f'{r:.1f}' for r in runs)})")
     if a.llama_bench and a.gguf:
         theirs = llama_bench(a.llama_bench, a.gguf, a.tokens, os.cpu_count() or 1)
