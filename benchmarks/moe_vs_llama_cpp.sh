@@ -17,7 +17,17 @@ GGUF=$PR/models/gguf/qwen3moe-random-f32.gguf
 CONC=${CONC:-1,16}
 ./dev run true
 [ -d "$MOE" ] || .venv/bin/python benchmarks/make_random_moe.py --tokenizer "$TOK" --out "$MOE" --dense-out "$DENSE"
-[ -f "$GGUF" ] || "$PP" "$SRC/convert_hf_to_gguf.py" "$MOE" --outtype f32 --outfile "$GGUF"
+# The random model borrows llama110m-random's SentencePiece vocabulary, which the converter's Qwen MoE
+# classes do not look for (they expect Qwen's BPE files): read it the way its Llama class does.
+[ -f "$GGUF" ] || "$PP" - "$SRC" "$MOE" "$GGUF" <<'PY'
+import runpy, sys
+src, model, out = sys.argv[1:]
+sys.path[:0] = [src, f"{src}/gguf-py"]
+import conversion.qwen
+conversion.qwen.Qwen3MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
+sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "f32", "--outfile", out]
+runpy.run_path(f"{src}/convert_hf_to_gguf.py", run_name="__main__")
+PY
 mkdir -p "$PR/logs" "$(dirname "$OUT")"
 wait_health() { for _ in $(seq 1 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
 load() { # url stack [load options]
