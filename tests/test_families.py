@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.loader.placement import check_stage_pattern
-from jaxserve.model.moe import grouped_ffn, routed_ffn
+from jaxserve.model.moe import grouped_ffn, routed_ffn, tile_rows
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 FAMILY_FIXTURES = ["gemma2_softcap", "gemma3_text", "gemma3_text_hd256", "qwen3_moe", "mixtral"]
@@ -115,8 +115,9 @@ def test_moe_configs():
         ModelConfig.from_hf_dict({**cfg, "num_experts_per_tok": 9})
 
 
-@pytest.mark.parametrize("method", ["tiled", "ragged_dot"])
-def test_grouped_ffn_matches_each_expert_applied_alone(method):
+@pytest.mark.parametrize("method, tile", [("tiled", None), ("tiled", 1), ("tiled", 4), ("tiled", 32),
+                                          ("ragged_dot", None)])
+def test_grouped_ffn_matches_each_expert_applied_alone(method, tile):
     """Segments of every size: empty experts, one spanning several tiles, tiles shared by experts."""
     rng = np.random.default_rng(0)
     sizes = np.array([0, 5, 70, 1, 0, 33, 2, 9], np.int32)
@@ -124,11 +125,16 @@ def test_grouped_ffn_matches_each_expert_applied_alone(method):
     rows = jnp.asarray(rng.normal(size=(sizes.sum(), hidden)), jnp.float32)
     w_gate, w_up = (jnp.asarray(rng.normal(size=(8, hidden, inter)), jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.normal(size=(8, inter, hidden)), jnp.float32)
-    got = grouped_ffn(rows, jnp.asarray(sizes), w_gate, w_up, w_down, jax.nn.silu, method)
+    got = grouped_ffn(rows, jnp.asarray(sizes), w_gate, w_up, w_down, jax.nn.silu, method, tile)
     expert = np.repeat(np.arange(8), sizes)
     want = jnp.einsum("ai,aih->ah", jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, w_gate[expert]))
                       * jnp.einsum("ah,ahi->ai", rows, w_up[expert]), w_down[expert])
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4)
+
+
+def test_tile_rows_follow_the_rows_an_expert_gets():
+    assert [tile_rows(a, 64) for a in (8, 128, 256, 512, 4096)] == [1, 2, 4, 8, 32]  # top 8: 1 to 512 tokens
+    assert tile_rows(120, 8) == 16 and tile_rows(1, 8) == 1
 
 
 def test_routed_ffn_weights_and_adds_back_each_tokens_experts():
