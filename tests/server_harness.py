@@ -23,6 +23,16 @@ from server.options import ServerOptions
 SHARED_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, token_buckets=(8, 64))
 
 
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """`r` is an error in OpenAI's shape with `status` (and `param`, when given); returns its body."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from tests.embedding_model import ENGINE_KWARGS, as_text, golden, golden_prompts, servable_copy
 from tests.page_checks import assert_pages_released
-from tests.server_harness import running_server
+from tests.server_harness import assert_error, running_server
 from server.options import ServerOptions
 
 TOLERANCE = 1e-4
@@ -129,10 +129,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(server):
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
     base, async_engine = server
-    r = httpx.post(f"{base}/v1/embeddings", json=body)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    err = assert_error(httpx.post(f"{base}/v1/embeddings", json=body), status)
     assert (err["param"], err["code"]) == (param, code)
     assert httpx.get(f"{base}/health").status_code == 200
     assert not async_engine.engine.has_unfinished()

@@ -19,7 +19,7 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
 from tests.page_checks import assert_pages_released
-from tests.server_harness import SHARED_ENGINE, running_server
+from tests.server_harness import SHARED_ENGINE, assert_error, running_server
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 PROMPT = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -46,15 +46,6 @@ def assert_still_serving(server, baseline: str) -> None:
     r = httpx.post(f"{base}/v1/completions", json=PROMPT, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == baseline
     assert async_engine.error is None
-
-
-def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 # ---- 1. one request disabled the engine ----------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from jaxserve.engine_args import EngineArgs
 from tests.page_checks import assert_pages_released
 from server.options import ServerOptions
-from tests.server_harness import SHARED_ENGINE, running_server, scrape
+from tests.server_harness import SHARED_ENGINE, assert_error, running_server, scrape
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -83,10 +83,7 @@ def test_multiple_prompts_in_one_completion_request(client):
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param, code):
     base, async_engine = server
-    r = httpx.post(f"{base}/v1/completions", json=body)
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    err = assert_error(httpx.post(f"{base}/v1/completions", json=body), status)
     assert err["param"] == param and err["code"] == code
     assert httpx.get(f"{base}/health").status_code == 200
     assert not async_engine.engine.has_unfinished()
