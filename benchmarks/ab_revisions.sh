@@ -10,7 +10,7 @@ set -u
 BEFORE=$1; AFTER=$2
 PR=$HOME/.cache/jaxserve-peers; PP=$PR/venv/bin/python; M110=$PR/models/llama110m-random
 OUT=${3:-/tmp/ab_revisions.jsonl}; CONC=${CONC:-1,4,16}; : > "$OUT"
-wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+source "$(dirname "$0")/lib.sh"  # wait_health
 for round in 1 2; do
   for side in before after; do
     if [ $side = before ]; then D=$BEFORE; else D=$AFTER; fi

@@ -20,7 +20,7 @@ PP=.venv/bin/python; S260=../shared/models/stories260K; M110=$PR/models/llama110
 # than about its figures. Last core: the client; the rest: the server.
 N=$(nproc)
 if [ "$N" -ge 2 ]; then SERVER="taskset -c 0-$((N - 2))"; CLIENT="taskset -c $((N - 1))"; T=$((N - 1)); else SERVER=""; CLIENT=""; T=1; fi
-wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+source benchmarks/lib.sh  # wait_health
 measure() { # url tokenizer prompt-len "n1 n4 n16" name rounds: in each round, every level is measured by
   # both tools back to back, with new prompts each time. This machine's speed drifts by tens of percent
   # within minutes, at times steadily: in one run the tool measured second was 13-23% slower in all three

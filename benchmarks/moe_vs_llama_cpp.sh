@@ -29,19 +29,19 @@ sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "f32", "--outfile", out
 runpy.run_path(f"{src}/convert_hf_to_gguf.py", run_name="__main__")
 PY
 mkdir -p "$PR/logs" "$(dirname "$OUT")"
-wait_health() { for _ in $(seq 1 900); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+source benchmarks/lib.sh  # wait_health
 load() { # url stack [load options]
   "$PP" ../shared/peers/load_bench.py --base-url "$1" --model m --tokenizer "$TOK" --prompt-len 128 --max-tokens 64 \
     --concurrency "$CONC" --stack "$2" --ignore-eos --out "$OUT" "${@:3}" 2>&1 | grep "done:"; }
 "$LS" -m "$GGUF" --host 127.0.0.1 --port 8311 -c 16384 --parallel 16 --cont-batching -t "$(nproc)" \
   -tb "$(nproc)" > "$PR/logs/llama-server-8311.log" 2>&1 & P=$!
 # --no-keepalive: as side_by_side.sh loads llama-server
-wait_health http://127.0.0.1:8311 && load http://127.0.0.1:8311 llama-server --no-keepalive; kill $P; wait $P 2>/dev/null || true
+wait_health http://127.0.0.1:8311 900 && load http://127.0.0.1:8311 llama-server --no-keepalive; kill $P; wait $P 2>/dev/null || true
 for model in "$MOE:jaxserve-moe:8312" "$DENSE:jaxserve-dense-active:8313"; do
   IFS=: read -r dir stack port <<< "$model"
   .venv/bin/jaxserve serve --model "$dir" --max-num-seqs 16 --max-model-len 1024 --host 127.0.0.1 --port "$port" \
     --served-model-name m --warmup full > "$PR/logs/$stack-$port.log" 2>&1 & P=$!
-  wait_health "http://127.0.0.1:$port" && load "http://127.0.0.1:$port" "$stack"; kill $P; wait $P 2>/dev/null || true
+  wait_health "http://127.0.0.1:$port" 900 && load "http://127.0.0.1:$port" "$stack"; kill $P; wait $P 2>/dev/null || true
 done
 .venv/bin/python - "$OUT" <<'PY'
 import json, sys

@@ -17,7 +17,7 @@ M110=$PR/models/llama110m-random; GG=$PR/models/gguf/llama110m-random
 CONC=${CONC:-1,16}; PORT=8311
 mkdir -p "$PR/logs"
 ./dev run true  # .venv exists and is current
-wait_health() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+source benchmarks/lib.sh  # wait_health
 measure() { # pid stack [load options]: the load, then the server's RSS as one JSON line
   wait_health http://127.0.0.1:$PORT
   $PP ../shared/peers/load_bench.py --base-url http://127.0.0.1:$PORT --model m --tokenizer "$M110" \
@@ -31,10 +31,10 @@ for quant in f32 q8_0; do
     -t "$(nproc)" -tb "$(nproc)" > "$PR/logs/llama-server-$quant.log" 2>&1 &
   measure $! "llama-server-$quant" --no-keepalive  # as side_by_side.sh loads llama-server
 done
+int8_flags() { if [ "$1" = int8 ]; then echo --quantization int8 --kv-cache-dtype int8; fi; }  # jaxserve's int8 run
 for quant in none int8; do
-  flags=(); [ $quant = int8 ] && flags=(--quantization int8 --kv-cache-dtype int8)
   .venv/bin/jaxserve serve --model "$M110" --max-num-seqs 16 --max-model-len 1024 --host 127.0.0.1 --port $PORT \
-    --served-model-name m --warmup full "${flags[@]}" > "$PR/logs/jaxserve-$quant.log" 2>&1 &
+    --served-model-name m --warmup full $(int8_flags $quant) > "$PR/logs/jaxserve-$quant.log" 2>&1 &
   measure $! "jaxserve-$quant"
   grep -m1 "precision:" "$PR/logs/jaxserve-$quant.log"
 done
@@ -44,8 +44,7 @@ for quant in f32 q8_0; do
     | tee -a "$OUT"
 done
 for quant in none int8; do
-  flags=(); [ $quant = int8 ] && flags=(--quantization int8 --kv-cache-dtype int8)
-  ./dev run python benchmarks/offline_decode.py --model "$M110" "${flags[@]}" 2>/dev/null | grep '^{' \
+  ./dev run python benchmarks/offline_decode.py --model "$M110" $(int8_flags $quant) 2>/dev/null | grep '^{' \
     | $PP -c "import json,sys; r=json.loads(sys.stdin.read()); r['stack']='jaxserve-offline-$quant'; print(json.dumps(r))" \
     | tee -a "$OUT"
 done
