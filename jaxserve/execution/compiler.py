@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.execution.batch import BatchLayout
 from jaxserve.execution.compile_events import CompileEvents
+from jaxserve.execution.host_memory import release_freed_memory
 from jaxserve.execution.program_cache import ProgramCache
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ class StepCompiler:
                         "compilation cache (%d of them as executables, not traced)", self.warmup_report.programs,
                         ",".join(map(str, self.ready_buckets)), self.warmup_report.seconds,
                         self.warmup_report.cache_hits, executables)
+            released = release_freed_memory()  # what loading and compiling freed, still held by malloc
+            if released:
+                logger.info("returned %.0f MB of host memory freed while loading and compiling to the OS",
+                            released / 2**20)
             if on_done is not None:
                 on_done(self.warmup_report)
             self.warmup_done.set()
