@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", default=None, help="the same model as GGUF, for llama-bench")
     p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8 or fp8 weights")
     p.add_argument("--kv-cache-dtype", default="auto", help="LLM(kv_cache_dtype=...): auto, int8 or fp8")
+    p.add_argument("--quantize-lm-head", action="store_true", help="LLM(quantize_lm_head=True): the head too")
     a = p.parse_args(argv)
 
-    llm = LLM(a.model, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+    llm = LLM(a.model, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+              quantize_lm_head=a.quantize_lm_head)
     decode_tokens_per_second(llm, a.tokens)  # untimed: first-call effects stay out of the numbers
     runs = [decode_tokens_per_second(llm, a.tokens) for _ in range(a.runs)]
     assert llm.engine.compilations_since_warmup == 0, "decoding must not compile after warm-up"

@@ -31,7 +31,8 @@ for quant in f32 q8_0; do
     -t "$(nproc)" -tb "$(nproc)" > "$PR/logs/llama-server-$quant.log" 2>&1 &
   measure $! "llama-server-$quant" --no-keepalive  # as side_by_side.sh loads llama-server
 done
-int8_flags() { if [ "$1" = int8 ]; then echo --quantization int8 --kv-cache-dtype int8; fi; }  # jaxserve's int8 run
+# jaxserve's int8 run: weights, LM head (as the Q8_0 file stores it) and KV pages
+int8_flags() { if [ "$1" = int8 ]; then echo --quantization int8 --quantize-lm-head --kv-cache-dtype int8; fi; }
 for quant in none int8; do
   .venv/bin/jaxserve serve --model "$M110" --max-num-seqs 16 --max-model-len 1024 --host 127.0.0.1 --port $PORT \
     --served-model-name m --warmup full $(int8_flags $quant) > "$PR/logs/jaxserve-$quant.log" 2>&1 &

@@ -28,7 +28,8 @@ LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 
 
 @dataclasses.dataclass(frozen=True)
 class LinearQuantization:
-    """How the decoder layers' linear layers are stored and run (embeddings, norms, LM head stay float).
+    """How the decoder layers' linear layers are stored and run (embeddings and norms stay float, and the LM
+    head unless `lm_head`).
 
     Part of `ModelConfig`, so the model's graph, the step programs and their cache key all follow it."""
     codes: str  # one of LINEAR_CODE_DTYPES
@@ -38,6 +39,7 @@ class LinearQuantization:
     # Dynamic strategies: activation scales per row and block of about this many input features (None: per row)
     act_block: int | None = None
     source: str = "quantized at load"  # where the codes come from, for the log: or the checkpoint's format
+    lm_head: bool = False  # the (untied) LM head quantized too, as llama.cpp's Q8_0 files store it
 
     def __post_init__(self):
         if self.codes not in LINEAR_CODE_DTYPES:

@@ -35,7 +35,7 @@ from sharding.mesh import PIPELINE, TENSOR, TP_AXES
 # Kernels are [in, out] (Flax layout); the embedding is [vocab, hidden].
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^embed_tokens/embedding$", ("vocab", None)),
-    (r"^lm_head/kernel$", (None, "vocab")),
+    (r"^lm_head/(kernel|codes|scales)$", (None, "vocab")),  # --quantize-lm-head: per-channel scales
     (r"/self_attn/q_proj/(kernel|codes|scales|zeros)$", (None, "heads")),
     (r"/self_attn/q_proj/bias$", ("heads",)),
     (r"/self_attn/[kv]_proj/(kernel|codes|scales|zeros)$", (None, "kv_heads")),

@@ -100,17 +100,35 @@ def _linear_quantization(requested, ckpt, platform) -> LinearQuantization | None
 
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
-                      ckpt: CheckpointQuantization | None = None, strategy: str | None = None):
+                      ckpt: CheckpointQuantization | None = None, strategy: str | None = None,
+                      lm_head: bool = False):
     """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
-    unchanged for float linear layers, else the config says how and the reader makes the layers."""
+    unchanged for float linear layers, else the config says how and the reader makes the layers.
+    `lm_head` (`--quantize-lm-head`): the LM head too, quantized at load like the layers."""
     spec = linear_quantization(requested, ckpt, strategy=strategy)
+    if lm_head:
+        spec = _with_lm_head(spec, ckpt, config)
     if spec is None:
         return reader, config
-    logger.info("linear layers: %s codes %s (%s), run %s%s", spec.codes,
-                f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
+    logger.info("linear layers%s: %s codes %s (%s), run %s%s", " and the LM head" if spec.lm_head else "",
+                spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
                 spec.source, spec.strategy.replace("_", " "),
                 f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
     return QuantizedLinearReader(reader, spec, ckpt), dataclasses.replace(config, linear_quantization=spec)
+
+
+def _with_lm_head(spec: LinearQuantization | None, ckpt: CheckpointQuantization | None,
+                  config: ModelConfig) -> LinearQuantization:
+    """`spec` with the LM head quantized at load too, or a ValueError saying why that cannot be."""
+    if ckpt is not None:
+        raise ValueError(f"--quantize-lm-head quantizes a float checkpoint at load; this one is quantized as "
+                         f"{ckpt.summary} and its LM head is served as stored")
+    if spec is None:
+        raise ValueError("--quantize-lm-head needs --quantization (int8, fp8 or int4)")
+    if config.tie_word_embeddings or not config.has_lm_head:
+        raise ValueError("--quantize-lm-head: this model has no LM head of its own (it reuses the embedding "
+                         "matrix, or has no head at all)")
+    return dataclasses.replace(spec, lm_head=True)
 
 
 def _conform(qw: QuantizedWeight, spec: LinearQuantization, name: str) -> QuantizedWeight:

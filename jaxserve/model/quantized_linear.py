@@ -6,8 +6,9 @@
    chosen once at start for the backend and is part of the config, so of the program cache key.
 2. `quantize_linears(model, spec)` replaces every `nnx.Linear` inside the decoder layers by a
    `QuantizedLinear` of the same shape, after the model is built: the model families never see it, and
-   the embeddings, norms and LM head stay float. The loader fills the parameters (`jaxserve/loader/
-   quantized.py`): quantized from a float checkpoint, or read from a pre-quantized one.
+   the embeddings and norms stay float (the LM head too, unless `--quantize-lm-head`). The loader fills
+   the parameters (`jaxserve/loader/quantized.py`): quantized from a float checkpoint, or read from a
+   pre-quantized one.
 3. `project` is the product without the bias: under tensor parallelism a row-parallel layer's shards each
    quantize their own slice of x (its own row scale), rescale their partial product, and the all-reduce
    adds them (`parallel.row_parallel`); no collective is needed for the activation scales.
@@ -65,16 +66,21 @@ def activation_block(features: int, target: int | None) -> int | None:
 
 
 def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
-    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape."""
+    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape, and the
+    LM head when `spec.lm_head`."""
+    def quantized(linear: nnx.Linear) -> QuantizedLinear:
+        return QuantizedLinear(linear.in_features, linear.out_features, use_bias=linear.bias is not None,
+                               spec=spec, dtype=linear.param_dtype)
+
     def swap(module: nnx.Module) -> None:
         for name, child in list(vars(module).items()):
             if isinstance(child, nnx.Linear):
-                setattr(module, name, QuantizedLinear(child.in_features, child.out_features,
-                                                      use_bias=child.bias is not None, spec=spec,
-                                                      dtype=child.param_dtype))
+                setattr(module, name, quantized(child))
             elif isinstance(child, nnx.Module):
                 swap(child)
 
     for layer in model.layers:
         swap(layer)
+    if spec.lm_head:
+        model.lm_head = quantized(model.lm_head)
     return model
