@@ -14,10 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import logging
 import sys
-
-logger = logging.getLogger(__name__)
 
 
 @functools.cache
