@@ -61,6 +61,17 @@ def stories_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def id_tokenizer(tmp_path_factory) -> Path:
+    """A 256-token word-level tokenizer ("t0".."t255") for the random fixtures, which have none; pass it as
+    `LLM(..., tokenizer=...)` and prompts as token ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    directory = tmp_path_factory.mktemp("ids")
+    Tokenizer(WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0")).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="session")
 def mapped_stories_dir(stories_dir, tmp_path_factory) -> Path:
     """stories260K converted by `jaxserve convert --format mapped` (the model's own layout, aligned)."""
     from jaxserve.entrypoints.cli import main as cli_main

@@ -6,20 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
 
 from jaxserve import LLM, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
-
-
-@pytest.fixture(scope="module")
-def id_tokenizer(tmp_path_factory):
-    """A 256-token word-level tokenizer (the fixtures have none): prompts here are token ids."""
-    directory = tmp_path_factory.mktemp("ids")
-    Tokenizer(WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0")).save(str(directory / "tokenizer.json"))
-    return directory
 
 
 @pytest.mark.parametrize("case", ["gemma3_text", "mixtral"])
