@@ -46,7 +46,8 @@ def test_auto_unrolls_on_cpu_and_scans_elsewhere():
 
 @pytest.mark.parametrize("case", ["llama_gqa_untied", "gemma2_softcap", "mixtral"])
 def test_scanned_layers_match_transformers(case):
-    runner = make_runner(case, layer_loop="scan")
+    # One program (the prefill budget runs the decodes too): the scan, not bucket choice, is the subject.
+    runner = make_runner(case, layer_loop="scan", token_buckets=(64,))
     config = ModelConfig.from_pretrained(FIXTURES / case)
     layers = runner.params["layers"]  # one period of layers, each parameter stacked over the repeats
     assert len(layers) < config.num_layers
@@ -57,7 +58,7 @@ def test_scanned_layers_match_transformers(case):
 
 def test_scanned_layers_with_lora_adapters_match_peft():
     from tests.test_lora_parity import ADAPTERS, check, load_into, make_runner as lora_runner, run_sequences
-    runner = lora_runner(layer_loop="scan")
+    runner = lora_runner(layer_loop="scan", token_buckets=(152,))
     runner.warmup()
     load_into(runner, {1: "r8_all", 2: "r4_qv", 3: "r4_mlp_alpha4", 4: "r8_rslora_attn"})
     cases = [("base", 0), ("r4_qv", 2), ("r8_all", 1), ("r4_mlp_alpha4", 3), ("r8_rslora_attn", 4)]
@@ -75,13 +76,15 @@ def _greedy(llm):
 @pytest.mark.parametrize("options", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}],
                          ids=["float32", "int8-weights-and-pages"])
 def test_a_scanned_engine_serves_the_unrolled_tokens(stories_dir, stories_llm, options):
-    scanned = LLM(str(stories_dir), **ENGINE, layer_loop="scan", **options)
+    # The float32 run matches the suite's shared engine; the int8 pair builds its own, one program each.
+    engine = ENGINE if not options else dict(ENGINE, token_buckets=(64,))
+    scanned = LLM(str(stories_dir), **engine, layer_loop="scan", **options)
     runner = scanned.engine.runner
     assert runner.graphdef != stories_llm.engine.runner.graphdef
     # stories260K: 5 identical layers -> one layer, every parameter stacked 5 deep.
     assert len(runner.params["layers"]) == 1
     assert all(a.shape[0] == 5 for a in jax.tree.leaves(runner.params["layers"][0]))
-    reference = stories_llm if not options else LLM(str(stories_dir), **ENGINE, layer_loop="unroll", **options)
+    reference = stories_llm if not options else LLM(str(stories_dir), **engine, layer_loop="unroll", **options)
     assert _greedy(scanned) == _greedy(reference)
     scanned.generate(["A", "Once upon a time there was"], SamplingParams(temperature=0.8, seed=3, max_tokens=20))
     assert scanned.engine.compilations_since_warmup == 0
