@@ -20,6 +20,8 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
 5. Quantized variants (issue 27): `--e2e-quantization int8|fp8` (linear layers quantized at load; on a GPU
    int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores) and `--e2e-kv-cache-dtype int8|fp8`; the
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
+6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: scanned on a GPU); the build+compile row
+   is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ class E2EModel:
         engine_args = EngineArgs(max_num_seqs=batches[-1], max_model_len=max_len, page_size=page,
                                  max_num_batched_tokens=budget, token_buckets=tuple(sorted(set(batches) | {budget})),
                                  attention_backend=e2e_backend(), quantization=args.e2e_quantization,
-                                 kv_cache_dtype=args.e2e_kv_cache_dtype)
+                                 kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop)
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
         jax.block_until_ready(built.model.params)
@@ -317,7 +319,8 @@ def run_e2e(args, rows: list, checks: list) -> None:
                     max_model_len=c.max_position_embeddings, buckets=list(m.engine.runner.layouts))
 
     precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
-        f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "")
+        f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
+        f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "")
     guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 
     def need_model():
@@ -351,6 +354,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="quantize the timed model's linear layers at load (issue 27; default: --e2e-dtype)")
     e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                      help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
+    e2e.add_argument("--e2e-layer-loop", choices=["auto", "unroll", "scan"], default="auto",
+                     help="layers unrolled or under lax.scan (issue 28; auto scans on GPU): compare the "
+                          "build+compile row and the decode rows of one run with each")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
                      help="running sequences of each decode row")

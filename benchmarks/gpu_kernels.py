@@ -37,11 +37,13 @@ both parts share (timing, the copy yardstick, the time budget, error rows); gpu_
 
 Time (an estimate until a run records it in the JSON's section_seconds): kernel sections about 2 minutes of
 Triton compiles; e2e: the check ~30-45 s, the 8B model's random init + sharding (~16 GB of weights through
-the host) ~20-30 s, warm-up compiling 4 step programs of 32 unrolled layers (token buckets 1, 16, 64, 2048)
-~1-2.5 minutes, the timed steps ~15 s. Memory: ~16 GB of weights (32 GB while sharding) + a 17 GB KV cache.
+the host) ~20-30 s, warm-up compiling 4 step programs (token buckets 1, 16, 64, 2048) ~1-2.5 minutes with 32
+unrolled layers (`--e2e-layer-loop unroll`); scanned, the GPU's default since issue 28, the programs hold
+one layer (on CPU depth stopped mattering, benchmarks/compile_depth.py; not yet timed on a GPU); the timed
+steps ~15 s. Memory: ~16 GB of weights (32 GB while sharding) + a 17 GB KV cache.
 `--time-budget S` turns every part not started by S seconds into a "skipped" error row (the 8B model needs
 gpu_engine_step.BUILD_RESERVE_S left), so the table is printed before the device call's timeout; if
-time is short, rerun with `--sections e2e --skip-checks`, or `--e2e-layers 8` (fewer unrolled layers to compile).
+time is short, rerun with `--sections e2e --skip-checks`, or `--e2e-layers 8` (fewer layers to build).
 """
 
 from __future__ import annotations

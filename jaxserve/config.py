@@ -23,6 +23,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # `--quantization`: quantize a float checkpoint's linear layers at load (a pre-quantized one is detected).
 QUANTIZATION_METHODS = ("none", "int8", "fp8")
+# How a step program runs the layers (`jaxserve/model/layer_loop.py`).
+LAYER_LOOPS = ("auto", "unroll", "scan")
 LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 with zero points
 
 

@@ -50,6 +50,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk (0: no limit)
     max_num_partial_prefills: int | None = None  # most sequences prefilling in one step (None: no limit)
     attention_backend: str = "auto"
+    layer_loop: str = "auto"  # "scan" | "unroll"; auto: unrolled on CPU, scanned elsewhere (layer_loop.py)
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
     max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights

@@ -74,7 +74,7 @@ EXPERT_PARALLEL_AXES: dict[str, str | tuple[str, ...] | None] = {"experts": TP_A
 PADDABLE = frozenset({"vocab", "mlp", "expert_mlp"})  # zero padding along these is exact
 BLOCK_AXES = frozenset({"heads_blocks", "mlp_blocks"})  # scale blocks: one block stays whole
 
-# KV cache pages per layer: [num_kv_heads, num_pages, page_size, head_dim].
+# KV pages (a layer's, or every layer's blocks along the pages axis): [num_kv_heads, num_pages, page_size, head_dim].
 KV_CACHE_AXES = ("kv_heads", None, None, None)
 
 
@@ -150,14 +150,15 @@ def runtime_spec(path: tuple, spec: P, ndim: int) -> P:
 
 
 def kv_cache_spec() -> P:
-    """Per-slot KV pages [pp * num_kv_heads, pages, page_size, head_dim]: stages stacked on dim 0, each
+    """KV pages [pp * num_kv_heads, pages, page_size, head_dim] (one layer's, or with scanned layers every
+    layer's block along the pages axis, `KVCache`): stages stacked on dim 0, each
     stage's KV heads split over `tensor` (so replicated over `kv_replica`)."""
     assert KV_CACHE_AXES[0] == "kv_heads" and LOGICAL_TO_MESH["kv_heads"] == TENSOR
     return P((PIPELINE, TENSOR), None, None, None)
 
 
 def kv_scales_spec() -> P:
-    """Per-slot scales of quantized KV pages [pp * num_kv_heads, pages, page_size]: split like the pages."""
+    """Scales of quantized KV pages [pp * num_kv_heads, pages, page_size]: split like the pages."""
     return P(*kv_cache_spec()[:3])
 
 

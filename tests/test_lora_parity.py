@@ -19,6 +19,7 @@ import pytest
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.execution.runner import ModelRunner
 from jaxserve.loader.load import load_sharded
+from jaxserve.loader.placement import scan_layers
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.scheduling.pages import PageAllocator, pages_needed
@@ -33,16 +34,19 @@ MAX_LEN = 72
 MAX_RANK = 8
 
 
-def make_runner(parallel: ParallelConfig = ParallelConfig()) -> ModelRunner:
+def make_runner(parallel: ParallelConfig = ParallelConfig(), layer_loop: str = "unroll",
+                token_buckets: tuple[int, ...] = (6, 152)) -> ModelRunner:
     config = ModelConfig.from_pretrained(LORA / "base")
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(LORA / "base", config, jnp.float32, plan)
+    if layer_loop == "scan":
+        model, _, _ = scan_layers(model)
     # Token buckets no other test uses (the run shares one compilation cache): decodes of six sequences,
     # and prefill chunks of them.
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=96),
                        SchedulerConfig(max_num_seqs=6, max_model_len=MAX_LEN, max_num_batched_tokens=152,
-                                       token_buckets=(6, 152)),
+                                       token_buckets=token_buckets),
                        select_attention_backend("auto"), jnp.float32,
                        lora=LoRASlots(config, max_loras=4, max_rank=MAX_RANK, dtype=jnp.float32, plan=plan))
 

@@ -21,6 +21,7 @@ from jaxserve.execution.runner import ModelRunner
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 from jaxserve.loader.load import load_sharded
+from jaxserve.loader.placement import scan_layers
 from pallas_kernels.dispatch import select_attention_backend
 from sharding import ParallelConfig, make_plan
 
@@ -38,16 +39,19 @@ def test_every_supported_model_type_has_a_fixture():
     assert types == set(SUPPORTED_MODEL_TYPES)
 
 
-def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = ParallelConfig()) -> ModelRunner:
+def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = ParallelConfig(),
+                layer_loop: str = "unroll", token_buckets: tuple[int, ...] = (8, 64)) -> ModelRunner:
     config = ModelConfig.from_pretrained(FIXTURES / case)
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
+    if layer_loop == "scan":
+        model, _, _ = scan_layers(model)
     # Two step programs: single-token decodes (with the companions: up to 7 tokens) and prefill chunks; the
     # alone and mixed runs of a case use the same two, compiled once per run (the suite's compilation cache).
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=64),
                        SchedulerConfig(max_num_seqs=3, max_model_len=MAX_LEN, max_num_batched_tokens=64,
-                                       token_buckets=(8, 64)),
+                                       token_buckets=token_buckets),
                        select_attention_backend(backend), jnp.float32)
 
 

@@ -111,7 +111,7 @@ class Engine(PoolingRequests, StepTiming):
                     "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
         self.precision = Precision.of(built.model_config, built.dtype, built.model.params, self.runner.kv_abstract,
-                                      page_bytes(built.model_config, 1, self.runner.kv_abstract.k[0].dtype),
+                                      page_bytes(built.model_config, 1, self.runner.kv_abstract.page_dtype),
                                       built.attention.name)
         logger.info("%s", self.precision.describe())
         self.startup_seconds["kv_cache"] = time.perf_counter() - started - built.weights_seconds

@@ -34,11 +34,10 @@ class Precision:
     @classmethod
     def of(cls, config: ModelConfig, dtype, params, kv_cache, kv_token_bytes: int, attention: str) -> "Precision":
         spec: LinearQuantization | None = config.linear_quantization
-        pages = kv_cache.k[0]
         return cls(weights=jnp.dtype(dtype).name, linear_codes=spec and spec.codes,
                    linear_strategy=spec and spec.strategy, linear_source=spec and spec.source,
                    weight_bytes=sum(device_bytes(a) for a in jax.tree.leaves(params)),
-                   kv_cache=jnp.dtype(pages.dtype).name, kv_cache_bytes=kv_cache.num_bytes,
+                   kv_cache=jnp.dtype(kv_cache.page_dtype).name, kv_cache_bytes=kv_cache.num_bytes,
                    kv_token_bytes=kv_token_bytes, attention=attention,
                    lm_head_quantized=bool(spec and spec.lm_head))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from jaxserve.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS
 from jaxserve.engine_args import EngineArgs
 
 
@@ -61,6 +61,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated token counts a step is padded to, one compiled program each "
                         "(default: 1,2,4,... up to --max-num-batched-tokens)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--layer-loop", default=EngineArgs.layer_loop, choices=list(LAYER_LOOPS),
+                   help="how a step program runs the layers: 'scan' compiles one period of layers under "
+                        "lax.scan (compile time independent of depth), 'unroll' one copy per layer; 'auto' "
+                        "unrolls on CPU (faster steps there) and scans on TPU and GPU")
     add_scheduling_args(parser)
     g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                    help="top logprobs a request may ask for, per sampled and per prompt token")

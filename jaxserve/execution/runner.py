@@ -108,6 +108,7 @@ class ModelRunner:
         self.lora = lora
         self.plan: MeshPlan = model.plan
         self.graphdef, self.params = model.graphdef, model.params
+        self.layer_repeats = model.layer_repeats  # > 1: layers under lax.scan (jaxserve/model/layer_loop.py)
         self._param_leaves = tuple(jax.tree.leaves(self.params))
         max_seqs = scheduler_config.max_num_seqs
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
@@ -141,8 +142,9 @@ class ModelRunner:
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
 
     def _abstract_kv_cache(self) -> KVCache:
-        """Per layer slot: pages [pp * num_kv_heads, num_pages, page_size, head_dim] (quantized: codes and
-        scales [pp * num_kv_heads, num_pages, page_size]), as shapes and shardings."""
+        """Each of a stage's layers' K and V pages [pp * num_kv_heads, num_pages, page_size, head_dim]
+        (quantized: codes, and scales without head_dim), as shapes and shardings; one array of every
+        layer's block when the layers run under `lax.scan` (`KVCache`)."""
         c, plan = self.model_config, self.plan
         shape = (plan.pp * c.num_kv_heads, self.cache_config.num_pages, self.cache_config.page_size, c.head_dim)
         page_dtype = kv_quant_dtype(self.cache_config.kv_cache_dtype)
@@ -150,7 +152,7 @@ class ModelRunner:
         if page_dtype is not None:
             scales = jax.ShapeDtypeStruct(shape[:3], SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
             pages = QuantizedPages(pages, scales)
-        return KVCache(k=[pages] * plan.layers_per_stage, v=[pages] * plan.layers_per_stage)
+        return KVCache.abstract(pages, plan.layers_per_stage, folded=self.layer_repeats > 1)
 
     def _new_kv_cache(self) -> KVCache:
         """The cache's arrays, created in place on their devices."""

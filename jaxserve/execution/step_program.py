@@ -118,11 +118,12 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
         cos, sin = model.rope(positions[micro])
         cu_q_lens, kv_lens = _microbatch_view(batch.cu_q_lens, batch.kv_lens, micro * size, size)
 
-        def attend(q, k_pages, v_pages, **scoring):
-            # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap).
+        def attend(q, k_pages, v_pages, first_page, **scoring):
+            # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap); its pages
+            # are the block from `first_page` (`KVCache.for_layer`).
             scoring = dict(sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window) | scoring
             k_pages, v_pages, scales = attention_operands(k_pages, v_pages)  # quantized pages: + their scales
-            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens,
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables + first_page, cu_q_lens,
                                     **scoring, **scales)
 
         lora_inputs = None if lora is None else LoRAInputs(lora, lora_slots[micro])

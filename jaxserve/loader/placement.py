@@ -9,6 +9,8 @@
 3. `assemble` relabels the stages' copies of each layer slot as one array stacked along dim 0 over the
    pipeline axis (no copy) and merges them into the state of a *stage model*: the same model class with
    `layers_per_stage` layers, whose graph the jitted steps merge inside `shard_map`.
+4. For layers under `lax.scan`, `scan_layers` turns that stage model into one period of layers with each
+   parameter stacked over the period's repeats (`jaxserve/model/layer_loop.py`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.tree import ParamPath, flatten, set_path
+from jaxserve.model.layer_loop import layer_period
 from jaxserve.model.registry import abstract_model
 from sharding.loading import Fill, InPlace, array_from_reader, stack_stages
 from sharding.mesh import MeshPlan
@@ -47,6 +52,7 @@ class ShardedModel:
     graphdef: nnx.GraphDef  # one pipeline stage's model (layers_per_stage layers)
     params: nnx.State  # runtime arrays on plan.mesh
     dtype: object
+    layer_repeats: int = 1  # > 1: one period of layers, parameters stacked that deep (`scan_layers`)
 
     @property
     def shardings(self):
@@ -177,3 +183,40 @@ def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, pla
         set_path(runtime, path, value)
     nnx.replace_by_pure_dict(state, runtime)
     return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)
+
+
+def scan_layers(model: ShardedModel) -> tuple[ShardedModel, int, int]:
+    """The stage model for layers under `lax.scan` (`jaxserve/model/layer_loop.py`): one period of layers
+    whose parameters are stacked over the period's repeats on a new leading axis, and (period, repeats).
+    Each group of per-layer arrays is freed as its stack is made, so the copy costs one group's bytes at
+    most. A stage whose layers never repeat comes back as it is (repeats 1: unrolled)."""
+    stage_config = model.config.first_layers(model.plan.layers_per_stage)
+    layers = abstract_model(stage_config, model.dtype).layers
+    period = layer_period([nnx.graphdef(layer) for layer in layers])
+    repeats = len(layers) // period
+    if repeats == 1:
+        return model, period, 1
+    template = abstract_model(stage_config.first_layers(period), model.dtype)
+    template.layer_repeats = repeats
+    graphdef, state = nnx.split(template)
+    current = {tuple(str(p) for p in path): a for path, a in flatten(nnx.to_pure_dict(model.params))}
+    model.params = None  # the stacks replace these arrays: drop the model's references to them
+    runtime = nnx.to_pure_dict(state)
+    for path, _ in list(flatten(runtime)):
+        key = tuple(str(p) for p in path)
+        if is_layer_param(key):
+            first, rest = int(key[1]), key[2:]
+            pieces = [current.pop(("layers", str(t * period + first)) + rest) for t in range(repeats)]
+            value = _stack(pieces)
+            del pieces
+        else:
+            value = current.pop(key)
+        set_path(runtime, path, value)
+    nnx.replace_by_pure_dict(state, runtime)
+    return dataclasses.replace(model, graphdef=graphdef, params=state, layer_repeats=repeats), period, repeats
+
+
+def _stack(pieces: list[jax.Array]) -> jax.Array:
+    sharding = pieces[0].sharding
+    stacked = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    return jax.jit(lambda *a: jnp.stack(a), out_shardings=stacked)(*pieces)

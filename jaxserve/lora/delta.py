@@ -51,8 +51,19 @@ class LoRAInputs:
     stack: LoRAStack
     token_slots: jax.Array  # [T] int32 each token's slot (0: no adapter)
 
-    def layer(self, index: int) -> LayerLoRA:
+    def layer(self, index) -> LayerLoRA:
+        """Layer `index`'s stacks: an int on per-layer lists, a traced int on `stacked()` ones."""
+        if isinstance(self.stack.a, dict):
+            return LayerLoRA(jax.tree.map(lambda s: s[index], self.stack.a),
+                             jax.tree.map(lambda s: s[index], self.stack.b), self.token_slots)
         return LayerLoRA(self.stack.a[index], self.stack.b[index], self.token_slots)
+
+    def stacked(self) -> LoRAInputs:
+        """The per-layer lists as one [layers, slots, ...] array per module, for layers under `lax.scan`.
+        A copy of the adapters' slots inside every step: with 4 slots of rank 16 on every projection of a
+        Llama-3-8B-shaped layer, 9 MB in bf16 against the layer's 436 MB of weights (2%)."""
+        stack = lambda layers: {name: jnp.stack([layer[name] for layer in layers]) for name in layers[0]}
+        return LoRAInputs(LoRAStack(stack(self.stack.a), stack(self.stack.b)), self.token_slots)
 
 
 def delta(lora: LayerLoRA | None, name: str, x: jax.Array) -> jax.Array | None:

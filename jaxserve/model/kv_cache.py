@@ -1,15 +1,23 @@
-"""The paged KV cache on the device: K and V pages per layer, and the scatter that writes new tokens.
+"""The paged KV cache on the device: K and V pages of every layer, and the scatter that writes new tokens.
 
-1. `KVCache` holds, per layer, K and V pages `[num_kv_heads, num_pages, page_size, head_dim]`; the jitted
-   steps take it donated and return the updated one. With `--kv-cache-dtype int8|fp8` each layer's K and
-   V are `QuantizedPages`: int8 / e4m3 codes of that shape plus float32 scales `[num_kv_heads, num_pages,
-   page_size]`, one per token and KV head (`pallas_kernels/kv_quant.py`). Both are pytrees, so donation,
-   sharding specs and the pipeline carry treat the scales exactly like the pages.
+1. `KVCache` holds K and V pages `[num_kv_heads, num_pages, page_size, head_dim]` in one of two layouts:
+   - unrolled layers (`jaxserve/model/layer_loop.py`): a list with one array per layer;
+   - layers under `lax.scan`: one array for all layers, `[num_kv_heads, num_layers * num_pages, page_size,
+     head_dim]`, layer i's block of pages from i * num_pages on (each block has its own null page). The
+     scan carries it and a layer reaches its block by offsetting the step's page ids and write slots
+     (`for_layer`): a traced layer index costs one add, never a copy of a layer's pages.
+   Not one layout for both: when unrolled layers scatter into one shared array, XLA:CPU copies the whole
+   array at every layer (16 layers of the 124.7M model's width decoded a token in 1.5 s against 28 ms,
+   docs/performance.md), while a scan's carry is updated in place. The jitted steps take the cache
+   donated and return the updated one. With `--kv-cache-dtype int8|fp8` the pages are `QuantizedPages`: int8 / e4m3 codes of that
+   shape plus float32 scales without head_dim, one per token and KV head (`pallas_kernels/kv_quant.py`).
+   Both are pytrees, so donation, sharding specs and the pipeline carry treat the scales like the pages.
 2. `write_kv` scatters new tokens' K/V to flat slots (page * page_size + offset); padding tokens write to
-   page 0, the reserved null page that nothing ever reads as real data. Quantized pages are written by
-   `write_kv_quantized` (codes and scales at the same slots). Which page ids a sequence holds is decided
-   on the host (`jaxserve/scheduling/pages.py`); a page's bytes depend only on its own tokens, so the
-   prefix cache and preemption need nothing new for quantized pages.
+   page 0 (of the layer's block), the reserved null page that nothing ever reads as real data. Quantized
+   pages are written by `write_kv_quantized` (codes and scales at the same slots). Which page ids a
+   sequence holds is decided on the host (`jaxserve/scheduling/pages.py`), the same for every layer; a
+   page's bytes depend only on its own tokens, so the prefix cache and preemption need nothing new for
+   quantized pages.
 3. `attention_operands` unpacks a layer's pages for an attention backend: the codes as the pages, the
    scales as `k_scales` / `v_scales`; float pages pass no scales (the float programs are unchanged).
 """
@@ -17,12 +25,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxserve.quantization.kv_write import write_kv_quantized
-from pallas_kernels.kv_quant import SCALE_DTYPE
 
 
 @jax.tree_util.register_dataclass
@@ -43,21 +51,28 @@ class QuantizedPages:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    k: list  # per layer: pages [num_kv_heads, num_pages, page_size, head_dim], or QuantizedPages
-    v: list  # per layer: the same
+    k: list | jax.Array | QuantizedPages  # per layer [KVH, P, S, D], or every layer's block: [KVH, L * P, S, D]
+    v: list | jax.Array | QuantizedPages  # the same
+    num_layers: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-              dtype, page_dtype=None) -> "KVCache":
-        """Float pages of `dtype`, or quantized pages of `page_dtype` (int8 / float8_e4m3fn) when given."""
-        shape = (num_kv_heads, num_pages, page_size, head_dim)
+    def abstract(cls, pages, num_layers: int, folded: bool) -> "KVCache":
+        """The shapes of a cache whose every layer has `pages` (a [KVH, P, S, D] jax.ShapeDtypeStruct, or
+        QuantizedPages of them); `folded`: one array of every layer's block (layers under `lax.scan`)."""
+        if not folded:
+            return cls([pages] * num_layers, [pages] * num_layers, num_layers=num_layers)
+        fold = lambda a: jax.ShapeDtypeStruct((a.shape[0], num_layers * a.shape[1], *a.shape[2:]), a.dtype,
+                                              sharding=a.sharding)
+        folded_pages = jax.tree.map(fold, pages)
+        return cls(folded_pages, folded_pages, num_layers=num_layers)
 
-        def pages():
-            if page_dtype is None:
-                return jnp.zeros(shape, dtype)
-            return QuantizedPages(jnp.zeros(shape, page_dtype), jnp.zeros(shape[:3], SCALE_DTYPE))
+    @property
+    def folded(self) -> bool:
+        return not isinstance(self.k, list)
 
-        return cls(k=[pages() for _ in range(num_layers)], v=[pages() for _ in range(num_layers)])
+    @property
+    def page_dtype(self):
+        return (self.k if self.folded else self.k[0]).dtype
 
     @property
     def num_bytes(self) -> int:
@@ -65,7 +80,14 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
-        return bool(self.k) and isinstance(self.k[0], QuantizedPages)
+        return isinstance(self.k if self.folded else self.k[0], QuantizedPages)
+
+    def for_layer(self, layer, write_index: jax.Array, attend):
+        """Of a folded cache: layer `layer`'s (an int, or a traced int32 under `lax.scan`) write slots and
+        attention, the step's page ids and slots moved into the layer's block of pages."""
+        num_pages, page_size = self.k.shape[1] // self.num_layers, self.k.shape[2]
+        first_page = layer * num_pages
+        return write_index + first_page * page_size, functools.partial(attend, first_page=first_page)
 
 
 def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, write_index: jax.Array):

@@ -6,7 +6,8 @@ The variants differ only in switches carried by `ModelConfig`: q/k/v bias (Qwen2
 One forward call processes a flat set of N tokens — a prefill chunk of one sequence or one token per
 decode slot — and is told where their K/V go and how to attend:
 1. embed tokens; per layer: RMSNorm -> q/k/v projections (+bias, +q/k norm) -> RoPE at `positions`;
-2. write k/v into the layer's pages at `write_index` (flat page * page_size + offset; padding -> null page);
+2. write k/v into the layer's pages at `write_index` (flat page * page_size + offset in the layer's block
+   of the cache, `KVCache.for_layer`; padding -> the layer's null page);
 3. `attend(q, k_pages, v_pages)` (a closure the runner builds over the chosen attention backend);
 4. o_proj, residual, RMSNorm, SwiGLU MLP, residual; final RMSNorm. `logits` applies the LM head.
 
@@ -26,7 +27,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.lora.delta import LayerLoRA, LoRAInputs, delta, project
 from jaxserve.model.kv_cache import KVCache, write_kv
-from jaxserve.model import parallel
+from jaxserve.model import layer_loop, parallel
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
@@ -109,6 +110,10 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    # > 1: `layers` is one period of layers whose parameters are stacked [layer_repeats, ...], run under
+    # lax.scan (set on the stage model by `jaxserve/model/layer_loop.py`'s `scan_model`).
+    layer_repeats = 1
+
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c = config
         self.config = config
@@ -135,15 +140,17 @@ class LlamaForCausalLM(nnx.Module):
 
     def run_layers(self, x, cos, sin, kv_cache: KVCache, write_index, attend: AttendFn,
                    tp_axis: Axis = None, lora: LoRAInputs | None = None) -> tuple[jax.Array, KVCache]:
-        """Every layer of this module (a pipeline stage's block, when sharded) over hidden x [N, hidden];
-        `lora`: the adapters' stacks and each token's slot (jaxserve/lora/delta.py), None without LoRA."""
-        new_k, new_v = [], []
-        for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv_cache.k, kv_cache.v)):
-            x, k_pages, v_pages = layer(x, cos, sin, k_pages, v_pages, write_index, attend, tp_axis,
-                                        None if lora is None else lora.layer(i))
-            new_k.append(k_pages)
-            new_v.append(v_pages)
-        return x, KVCache(k=new_k, v=new_v)
+        """Every layer of this module (a pipeline stage's block, when sharded) over hidden x [N, hidden],
+        unrolled or under `lax.scan` (`layer_repeats`, see layer_loop.py); `lora`: the adapters' stacks
+        and each token's slot (jaxserve/lora/delta.py), None without LoRA."""
+        if lora is not None and self.layer_repeats > 1:
+            lora = lora.stacked()  # indexed by a traced layer under the scan
+
+        def run_layer(i, layer, x, k_pages, v_pages, slots, layer_attend):
+            return layer(x, cos, sin, k_pages, v_pages, slots, layer_attend, tp_axis,
+                         None if lora is None else lora.layer(i))
+
+        return layer_loop.run_layers(self.layers, self.layer_repeats, x, kv_cache, write_index, attend, run_layer)
 
     def logits(self, hidden: jax.Array, tp_axis: Axis = None) -> jax.Array:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

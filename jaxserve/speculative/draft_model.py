@@ -55,10 +55,11 @@ class DraftModelProposer:
         self.graphdef, self.params = model.graphdef, model.params
         self.device = model.plan.mesh.devices.flat[0]
         cache = runner.cache_config
-        shape = (config.num_kv_heads, cache.num_pages, cache.page_size, config.head_dim)
-        sharding = model.plan.sharding(kv_cache_spec())
-        self.kv_cache = KVCache(k=[zeros(shape, model.dtype, sharding) for _ in range(config.num_layers)],
-                                v=[zeros(shape, model.dtype, sharding) for _ in range(config.num_layers)])
+        pages = jax.ShapeDtypeStruct((config.num_kv_heads, cache.num_pages, cache.page_size, config.head_dim),
+                                     model.dtype, sharding=model.plan.sharding(kv_cache_spec()))
+        # Its layers are unrolled: a K and V array per layer (`KVCache`).
+        self.kv_cache = jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding),
+                                     KVCache.abstract(pages, config.num_layers, folded=False))
         self.program = jax.jit(functools.partial(_draft_step, graphdef=self.graphdef, attention=attention,
                                                  config=config, page_size=cache.page_size, k=k),
                                static_argnums=(6,), donate_argnums=(1,))
@@ -151,9 +152,9 @@ def _draft_step(params, kv_cache: KVCache, prev_samples, ints, floats, draw_toke
     scale = config.head_dim ** -0.5
 
     def forward(tokens, positions, write_index, kv, cu_q_lens, kv_lens):
-        def attend(q, k_pages, v_pages):
-            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables, cu_q_lens, sm_scale=scale,
-                                    sliding_window=config.sliding_window)
+        def attend(q, k_pages, v_pages, first_page):
+            return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables + first_page, cu_q_lens,
+                                    sm_scale=scale, sliding_window=config.sliding_window)
 
         cos, sin = model.rope(positions)
         hidden, kv = model.run_layers(model.embed(tokens), cos, sin, kv, write_index, attend)

@@ -26,8 +26,11 @@ MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (2, 2), (4, 2)]
 _LLMS: dict = {}
 
 
-# Two step programs per mesh: a decode of the 4 slots, and the budget for prefills (each compiles for seconds).
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32), max_model_len=128)
+# One step program per mesh, the budget, which runs the decodes too (padded): a program compiles for seconds on
+# 8 devices, and bucket choice is the single-device suite's subject (tests/test_engine.py), not the mesh's.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,), max_model_len=128)
+# The parity runners likewise: one program (the prefill budget) for the decode steps and the prompt chunks.
+PARITY_BUCKETS = (64,)
 
 
 def _llm(stories_dir, tp, pp):
@@ -88,7 +91,7 @@ PARITY_CASES = [
 @pytest.mark.parametrize("case, tp, pp", PARITY_CASES, ids=[f"{c}-tp{t}-pp{p}" for c, t, p in PARITY_CASES])
 def test_sharded_logits_match_transformers(case, tp, pp):
     # Mixed ragged batches: with pp 2 the target's prefill chunk straddles the two pipeline microbatches.
-    runner = make_runner(case, parallel=ParallelConfig(tp, pp))
+    runner = make_runner(case, parallel=ParallelConfig(tp, pp), token_buckets=PARITY_BUCKETS)
     check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)
 
 
@@ -117,8 +120,33 @@ EXPERT_PARALLEL_CASES = [("qwen3_moe", 4, 1), ("mixtral", 4, 2)]
                          ids=[f"{c}-ep{t}-pp{p}" for c, t, p in EXPERT_PARALLEL_CASES])
 def test_expert_parallel_logits_match_transformers(case, tp, pp):
     """--enable-expert-parallel: each tensor-parallel device holds 8 / tp whole experts."""
-    runner = make_runner(case, parallel=ParallelConfig(tp, pp, enable_expert_parallel=True))
+    runner = make_runner(case, parallel=ParallelConfig(tp, pp, enable_expert_parallel=True),
+                         token_buckets=PARITY_BUCKETS)
     block = "mlp" if case == "qwen3_moe" else "block_sparse_moe"
     gate = runner.params["layers"][0][block]["experts"]["gate_proj" if case == "qwen3_moe" else "w1"][...]
     assert gate.addressable_shards[0].data.shape == (8 // tp, 64, 16)  # whole experts, a tp-th of them
+    check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)
+
+
+def test_scanned_layers_on_a_tensor_and_pipeline_mesh(stories_dir, one_device_tokens):
+    """--layer-loop scan under tp 2 x pp 2: each stage's 3 layer slots (one padding) run as one scanned
+    layer, its parameters stacked 3 deep in front of the stage axis, and serve the one-device tokens."""
+    llm = LLM(str(stories_dir), **ENGINE, tensor_parallel_size=2, pipeline_parallel_size=2, layer_loop="scan")
+    runner = llm.engine.runner
+    q = runner.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert len(runner.params["layers"]) == 1 and q.shape == (3, 2 * 64, 64)
+    assert q.addressable_shards[0].data.shape == (3, 64, 32)  # every repeat, one stage, half the heads
+    k_pages = runner.kv_cache.k  # the stage's 3 layers' blocks of pages in one array, stages on dim 0
+    assert k_pages.shape[:2] == (2 * 4, 3 * runner.cache_config.num_pages)
+    assert k_pages.addressable_shards[0].data.shape[:2] == (2, 3 * runner.cache_config.num_pages)
+    assert _greedy(llm) == one_device_tokens
+    llm.generate(["A", "Once upon a time there was"], SamplingParams(temperature=0.8, seed=3, max_tokens=20))
+    assert llm.engine.compilations_since_warmup == 0
+
+
+@pytest.mark.parametrize("case, tp", [("gemma2_softcap", 4), ("mixtral", 2)])
+def test_scanned_sharded_logits_match_transformers(case, tp):
+    """A scanned period of two kinds of layer (Gemma 2) and routed experts (Mixtral) on a tensor group."""
+    runner = make_runner(case, parallel=ParallelConfig(tp, 1), layer_loop="scan", token_buckets=PARITY_BUCKETS)
+    assert runner.params["layers"][0]["input_layernorm"]["weight"][...].shape[0] == 2  # stacked repeats
     check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)

@@ -1,0 +1,90 @@
+"""Layers under `lax.scan` (`--layer-loop scan`, jaxserve/model/layer_loop.py) compute what unrolled layers do.
+
+1. The period of layers that repeats: 1 for Llama and Mixtral, 2 for Gemma 2's sliding / global pairs, none
+   (the stage stays unrolled) for Gemma 3's 5 : 1 pattern over 6 layers and a MoE whose `mlp_only_layers`
+   break it.
+2. The golden transformers logits (tests/fixtures/parity) within 1e-4 through chunked prefill and paged
+   decode in mixed ragged batches, with the scanned stage model: a Llama, Gemma 2 (a period of two kinds
+   of layer, soft caps, sliding windows narrower than the prompt) and Mixtral (routed experts). LoRA
+   adapters (traced layer index into the adapters' stacks) against peft.
+3. stories260K served with scanned layers: the same greedy tokens as unrolled ones, with float32 and with
+   int8 weights and int8 KV pages; nothing compiles after warm-up; the parameters are really stacked.
+The 8-device suite runs a scanned model under tensor and pipeline parallelism (tests/multidevice).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.model.layer_loop import layer_period, resolve_layer_loop
+from jaxserve.model.registry import abstract_model
+from tests.test_parity import FIXTURES, check_parity, make_runner
+
+PROMPTS = ["Once upon a time", "", "The cat sat on", "Lily and Tom went to the park to"]
+# As the suite's shared stories260K engine (tests/conftest.py), whose tokens are the unrolled reference.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64))
+
+
+@pytest.mark.parametrize("case, period", [("llama_gqa_untied", 1), ("gemma2_softcap", 2), ("gemma3_text", 6),
+                                          ("qwen3_moe", 3), ("mixtral", 1)])
+def test_the_repeating_period_of_layers(case, period):
+    layers = abstract_model(ModelConfig.from_pretrained(FIXTURES / case), jnp.float32).layers
+    assert layer_period([nnx.graphdef(layer) for layer in layers]) == period
+
+
+def test_auto_unrolls_on_cpu_and_scans_elsewhere():
+    assert resolve_layer_loop("auto", "cpu") == "unroll"
+    assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu") == "scan"
+    assert resolve_layer_loop("scan", "cpu") == "scan"
+    with pytest.raises(ValueError, match="layer_loop must be one of"):
+        resolve_layer_loop("loop", "cpu")
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_untied", "gemma2_softcap", "mixtral"])
+def test_scanned_layers_match_transformers(case):
+    # One program (the prefill budget runs the decodes too): the scan, not bucket choice, is the subject.
+    runner = make_runner(case, layer_loop="scan", token_buckets=(64,))
+    config = ModelConfig.from_pretrained(FIXTURES / case)
+    layers = runner.params["layers"]  # one period of layers, each parameter stacked over the repeats
+    assert len(layers) < config.num_layers
+    assert layers[0]["input_layernorm"]["weight"][...].shape == (config.num_layers // len(layers),
+                                                                 config.hidden_size)
+    check_parity(runner, np.load(FIXTURES / case / "golden.npz"), mixed=True)
+
+
+def test_scanned_layers_with_lora_adapters_match_peft():
+    from tests.test_lora_parity import ADAPTERS, check, load_into, make_runner as lora_runner, run_sequences
+    runner = lora_runner(layer_loop="scan", token_buckets=(152,))
+    runner.warmup()
+    load_into(runner, {1: "r8_all", 2: "r4_qv", 3: "r4_mlp_alpha4", 4: "r8_rslora_attn"})
+    cases = [("base", 0), ("r4_qv", 2), ("r8_all", 1), ("r4_mlp_alpha4", 3), ("r8_rslora_attn", 4)]
+    assert {name for name, _ in cases} >= set(ADAPTERS)
+    results = run_sequences(runner, cases)
+    for i, (name, _) in enumerate(cases):
+        check(results[i], name)
+
+
+def _greedy(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("options", [{}, {"quantization": "int8", "kv_cache_dtype": "int8"}],
+                         ids=["float32", "int8-weights-and-pages"])
+def test_a_scanned_engine_serves_the_unrolled_tokens(stories_dir, stories_llm, options):
+    # The float32 run matches the suite's shared engine; the int8 pair builds its own, one program each.
+    engine = ENGINE if not options else dict(ENGINE, token_buckets=(64,))
+    scanned = LLM(str(stories_dir), **engine, layer_loop="scan", **options)
+    runner = scanned.engine.runner
+    assert runner.graphdef != stories_llm.engine.runner.graphdef
+    # stories260K: 5 identical layers -> one layer, every parameter stacked 5 deep.
+    assert len(runner.params["layers"]) == 1
+    assert all(a.shape[0] == 5 for a in jax.tree.leaves(runner.params["layers"][0]))
+    reference = stories_llm if not options else LLM(str(stories_dir), **engine, layer_loop="unroll", **options)
+    assert _greedy(scanned) == _greedy(reference)
+    scanned.generate(["A", "Once upon a time there was"], SamplingParams(temperature=0.8, seed=3, max_tokens=20))
+    assert scanned.engine.compilations_since_warmup == 0
