@@ -107,3 +107,15 @@ def test_a_restart_loads_the_scanned_programs_from_the_program_cache(stories_dir
         assert report.programs == 2 and report.program_cache_hits == (2 if restart else 0)
         assert _greedy(llm) == reference
         assert llm.engine.compilations_since_warmup == 0
+
+
+def test_a_scanned_target_verifies_a_draft_model_s_tokens(stories_dir, stories_llm, tmp_path):
+    """Speculative decoding over scanned layers: the draft model (its own unrolled program and cache) proposes,
+    the scanned target verifies K + 1 positions in its folded cache; greedy tokens as without speculation."""
+    from tests.test_speculative import truncated_draft
+    draft = truncated_draft(stories_dir, tmp_path / "stories-3-layers", 3)
+    llm = LLM(str(stories_dir), **dict(ENGINE, token_buckets=(64,)), layer_loop="scan",
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    assert llm.engine.runner.kv_cache.folded and not llm.engine.speculator.proposer.kv_cache.folded
+    assert _greedy(llm) == _greedy(stories_llm)
+    assert llm.engine.compilations_since_warmup == 0
