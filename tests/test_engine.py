@@ -301,7 +301,9 @@ def test_background_warmup_serves_with_the_ready_programs_and_compiles_nothing_o
         stories_dir, monkeypatch, no_program_cache):
     """Ready after one program: until the others are compiled, steps fit the ready ones (a long prompt
     prefills in small chunks) and give the same tokens; nothing compiles outside warm-up."""
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)
+    # Three buckets, not the five defaults: one ready at first, two compiled behind it (each compiles for seconds).
+    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64,
+                      token_buckets=(4, 16, 64))
     prompts = [list(range(3, 60)), list(range(100, 109)), [7, 8, 9]]
     full = Engine(args)
     full.warmup()

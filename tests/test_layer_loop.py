@@ -9,6 +9,7 @@
    adapters (traced layer index into the adapters' stacks) against peft.
 3. stories260K served with scanned layers: the same greedy tokens as unrolled ones, with float32 and with
    int8 weights and int8 KV pages; nothing compiles after warm-up; the parameters are really stacked.
+4. A restart loads the scanned programs from the program cache.
 The 8-device suite runs a scanned model under tensor and pipeline parallelism (tests/multidevice).
 """
 
@@ -88,3 +89,33 @@ def test_a_scanned_engine_serves_the_unrolled_tokens(stories_dir, stories_llm, o
     assert _greedy(scanned) == _greedy(reference)
     scanned.generate(["A", "Once upon a time there was"], SamplingParams(temperature=0.8, seed=3, max_tokens=20))
     assert scanned.engine.compilations_since_warmup == 0
+
+
+def test_a_restart_loads_the_scanned_programs_from_the_program_cache(stories_dir, stories_llm, tmp_path,
+                                                                       monkeypatch):
+    """The scanned stage model's programs are keyed by its graph (one period, its repeats): a restart loads
+    them instead of tracing, and they serve the unrolled engine's tokens."""
+    from jaxserve.execution.program_cache import ProgramCache
+    monkeypatch.setattr(ProgramCache, "beside_jax_cache", classmethod(lambda cls: cls(tmp_path)))
+    reference = _greedy(stories_llm)
+    for restart in (False, True):
+        # Shapes no other test uses: a program JAX's cache (shared by the run) already held would come from
+        # there, and is never copied into the program cache (see tests/test_compilation_cache.py).
+        llm = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=12, token_buckets=(3, 12),
+                  layer_loop="scan")
+        report = llm.engine.warmup_report
+        assert report.programs == 2 and report.program_cache_hits == (2 if restart else 0)
+        assert _greedy(llm) == reference
+        assert llm.engine.compilations_since_warmup == 0
+
+
+def test_a_scanned_target_verifies_a_draft_model_s_tokens(stories_dir, stories_llm, tmp_path):
+    """Speculative decoding over scanned layers: the draft model (its own unrolled program and cache) proposes,
+    the scanned target verifies K + 1 positions in its folded cache; greedy tokens as without speculation."""
+    from tests.test_speculative import truncated_draft
+    draft = truncated_draft(stories_dir, tmp_path / "stories-3-layers", 3)
+    llm = LLM(str(stories_dir), **dict(ENGINE, token_buckets=(64,)), layer_loop="scan",
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    assert llm.engine.runner.kv_cache.folded and not llm.engine.speculator.proposer.kv_cache.folded
+    assert _greedy(llm) == _greedy(stories_llm)
+    assert llm.engine.compilations_since_warmup == 0

@@ -136,7 +136,7 @@ from jaxserve import LLM, SamplingParams
 result = {}
 for tp in (1, 2):
     llm = LLM(sys.argv[1], quantization="int8", kv_cache_dtype="int8", tensor_parallel_size=tp, max_num_seqs=2,
-              max_model_len=64, token_buckets=(2, 16))
+              max_model_len=64, token_buckets=(16,))  # one program: it decodes a single sequence
     params = nnx.to_pure_dict(llm.engine.runner.params)
     q = params["layers"][0]["self_attn"]["q_proj"]
     down = params["layers"][0]["mlp"]["down_proj"]
