@@ -32,8 +32,10 @@ def test_readme_serve_command_and_curl_example(tmp_path):
                                 text=True, timeout=60)
         body = json.loads(result.stdout)
         assert body["model"] == "jaxserve-demo-random"
-        assert body["choices"][0]["finish_reason"] == "length"
-        assert body["usage"]["completion_tokens"] == 8
+        # The README's request samples (no temperature, no seed) from a random model: it may draw the end-of-text
+        # token before its 8 tokens, a "stop" (one CI run of 2026-12-03 did).
+        finish, tokens = body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
+        assert (finish, tokens) == ("length", 8) or (finish == "stop" and 1 <= tokens <= 8), body
         startup = _log_once_it_says(log, r"compiled \d+ step programs .* from the persistent compilation cache")
         assert "built-in demo model" in startup
         assert re.search(r"float32 weights, attention kernels: blocked", startup)
