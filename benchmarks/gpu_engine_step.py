@@ -338,6 +338,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--e2e-*` options (and --e2e-tiny, whose defaults are E2E_TINY) of the script's command line."""
+    from jaxserve.config import LAYER_LOOPS
     e2e = parser.add_argument_group("end to end (a random Llama-3-8B-shaped model through the engine)")
     e2e.add_argument("--e2e-tiny", action="store_true",
                      help="tiny defaults for every --e2e-* size (a CPU dry run; explicit flags still win)")
@@ -354,7 +355,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="quantize the timed model's linear layers at load (issue 27; default: --e2e-dtype)")
     e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                      help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
-    e2e.add_argument("--e2e-layer-loop", choices=["auto", "unroll", "scan"], default="auto",
+    e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",
                      help="layers unrolled or under lax.scan (issue 28; auto scans on GPU): compare the "
                           "build+compile row and the decode rows of one run with each")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")

@@ -41,7 +41,7 @@ def make_runner(parallel: ParallelConfig = ParallelConfig(), layer_loop: str = "
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(LORA / "base", config, jnp.float32, plan)
     if layer_loop == "scan":
-        model, _, _ = scan_layers(model)
+        model = scan_layers(model)
     # Token buckets no other test uses (the run shares one compilation cache): decodes of six sequences,
     # and prefill chunks of them.
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=96),

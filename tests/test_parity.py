@@ -46,7 +46,7 @@ def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = Par
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
     if layer_loop == "scan":
-        model, _, _ = scan_layers(model)
+        model = scan_layers(model)
     # Two step programs: single-token decodes (with the companions: up to 7 tokens) and prefill chunks; the
     # alone and mixed runs of a case use the same two, compiled once per run (the suite's compilation cache).
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=64),

@@ -28,8 +28,8 @@ from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel, scan_layers
-from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading
+from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
 from jaxserve.text.tokenizer import Tokenizer
@@ -133,9 +133,10 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     """Everything but the weights, for a model already on its mesh."""
     attention = select_attention_backend(args.attention_backend)
     if resolve_layer_loop(args.layer_loop, jax.default_backend()) == "scan":
-        model, period, repeats = scan_layers(model)
-        logger.info("layers: %s", f"under lax.scan, {repeats} repeats of {period} layer(s)" if repeats > 1 else
-                    "unrolled (no repeating period of layers to scan)")
+        model = scan_layers(model)
+        repeats = model.layer_repeats
+        logger.info("layers: %s", f"under lax.scan, {repeats} repeats of {model.plan.layers_per_stage // repeats} "
+                    f"layer(s)" if repeats > 1 else "unrolled (no repeating period of layers to scan)")
     else:
         logger.info("layers: unrolled")
     max_model_len = args.max_model_len or config.max_position_embeddings

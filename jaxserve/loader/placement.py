@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -185,9 +186,9 @@ def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, pla
     return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)
 
 
-def scan_layers(model: ShardedModel) -> tuple[ShardedModel, int, int]:
+def scan_layers(model: ShardedModel) -> ShardedModel:
     """The stage model for layers under `lax.scan` (`jaxserve/model/layer_loop.py`): one period of layers
-    whose parameters are stacked over the period's repeats on a new leading axis, and (period, repeats).
+    whose parameters are stacked over the period's repeats (`layer_repeats`) on a new leading axis.
     Each group of per-layer arrays is freed as its stack is made, so the copy costs one group's bytes at
     most. A stage whose layers never repeat comes back as it is (repeats 1: unrolled)."""
     stage_config = model.config.first_layers(model.plan.layers_per_stage)
@@ -195,7 +196,7 @@ def scan_layers(model: ShardedModel) -> tuple[ShardedModel, int, int]:
     period = layer_period([nnx.graphdef(layer) for layer in layers])
     repeats = len(layers) // period
     if repeats == 1:
-        return model, period, 1
+        return model
     template = abstract_model(stage_config.first_layers(period), model.dtype)
     template.layer_repeats = repeats
     graphdef, state = nnx.split(template)
@@ -207,16 +208,17 @@ def scan_layers(model: ShardedModel) -> tuple[ShardedModel, int, int]:
         if is_layer_param(key):
             first, rest = int(key[1]), key[2:]
             pieces = [current.pop(("layers", str(t * period + first)) + rest) for t in range(repeats)]
-            value = _stack(pieces)
+            value = _stacker(pieces[0].sharding)(*pieces)
             del pieces
         else:
             value = current.pop(key)
         set_path(runtime, path, value)
     nnx.replace_by_pure_dict(state, runtime)
-    return dataclasses.replace(model, graphdef=graphdef, params=state, layer_repeats=repeats), period, repeats
+    return dataclasses.replace(model, graphdef=graphdef, params=state, layer_repeats=repeats)
 
 
-def _stack(pieces: list[jax.Array]) -> jax.Array:
-    sharding = pieces[0].sharding
-    stacked = NamedSharding(sharding.mesh, P(None, *sharding.spec))
-    return jax.jit(lambda *a: jnp.stack(a), out_shardings=stacked)(*pieces)
+@functools.cache
+def _stacker(sharding: NamedSharding):
+    """arrays of `sharding` -> one array stacked on a new leading axis, kept whole; one jitted function per
+    sharding, so groups of the same shape (q and o projections, gate and up) share its program."""
+    return jax.jit(lambda *a: jnp.stack(a), out_shardings=NamedSharding(sharding.mesh, P(None, *sharding.spec)))

@@ -9,9 +9,10 @@
    Not one layout for both: when unrolled layers scatter into one shared array, XLA:CPU copies the whole
    array at every layer (16 layers of the 124.7M model's width decoded a token in 1.5 s against 28 ms,
    docs/performance.md), while a scan's carry is updated in place. The jitted steps take the cache
-   donated and return the updated one. With `--kv-cache-dtype int8|fp8` the pages are `QuantizedPages`: int8 / e4m3 codes of that
-   shape plus float32 scales without head_dim, one per token and KV head (`pallas_kernels/kv_quant.py`).
-   Both are pytrees, so donation, sharding specs and the pipeline carry treat the scales like the pages.
+   donated and return the updated one. With `--kv-cache-dtype int8|fp8` the pages are `QuantizedPages`:
+   int8 / e4m3 codes of that shape plus float32 scales without head_dim, one per token and KV head
+   (`pallas_kernels/kv_quant.py`). Both are pytrees, so donation, sharding specs and the pipeline carry
+   treat the scales like the pages.
 2. `write_kv` scatters new tokens' K/V to flat slots (page * page_size + offset); padding tokens write to
    page 0 (of the layer's block), the reserved null page that nothing ever reads as real data. Quantized
    pages are written by `write_kv_quantized` (codes and scales at the same slots). Which page ids a
@@ -71,8 +72,13 @@ class KVCache:
         return not isinstance(self.k, list)
 
     @property
+    def _some_pages(self):
+        """Pages that stand for every layer's: the folded array, or the first layer's."""
+        return self.k if self.folded else self.k[0]
+
+    @property
     def page_dtype(self):
-        return (self.k if self.folded else self.k[0]).dtype
+        return self._some_pages.dtype
 
     @property
     def num_bytes(self) -> int:
@@ -80,7 +86,7 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.k if self.folded else self.k[0], QuantizedPages)
+        return isinstance(self._some_pages, QuantizedPages)
 
     def for_layer(self, layer, write_index: jax.Array, attend):
         """Of a folded cache: layer `layer`'s (an int, or a traced int32 under `lax.scan`) write slots and

@@ -69,8 +69,6 @@ def run_layers(layers: Sequence[nnx.Module], repeats: int, x: jax.Array, kv_cach
 
 def layer_period(layer_graphdefs: Sequence) -> int:
     """The shortest period p dividing the number of layers such that layer i has layer i % p's graph."""
-    n = len(layer_graphdefs)
-    for p in range(1, n + 1):
-        if n % p == 0 and all(layer_graphdefs[i] == layer_graphdefs[i % p] for i in range(n)):
-            return p
-    return n
+    n = len(layer_graphdefs)  # p = n always qualifies: a stack that never repeats is its own period
+    return next(p for p in range(1, n + 1)
+                if n % p == 0 and all(layer_graphdefs[i] == layer_graphdefs[i % p] for i in range(n)))

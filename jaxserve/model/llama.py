@@ -111,7 +111,8 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     # > 1: `layers` is one period of layers whose parameters are stacked [layer_repeats, ...], run under
-    # lax.scan (set on the stage model by `jaxserve/model/layer_loop.py`'s `scan_model`).
+    # lax.scan (jaxserve/model/layer_loop.py; set on the stage model by jaxserve/loader/placement.py's
+    # `scan_layers`).
     layer_repeats = 1
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
