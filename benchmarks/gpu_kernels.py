@@ -72,13 +72,22 @@ from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa
 from pallas_kernels import ragged_gpu  # noqa: E402
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
-from pallas_kernels.testing import random_ragged_case  # noqa: E402
+from pallas_kernels.testing import INTERPRET_COMPILER_OPTIONS, interpreted, random_ragged_case  # noqa: E402
 
 H, KVH, D = 32, 8, 128  # the timed shapes: a Llama-3-8B-like layer
 
 
 def kernel(*args, **kwargs):
-    return ragged_gpu.ragged_paged_attention_gpu(*args, interpret=gpu_common.INTERPRET, **kwargs)
+    """The kernel called outside jit (the checks). In a CPU dry run it checks the kernel's logic, so it is
+    compiled without LLVM's optimizations (`interpreted`)."""
+    if gpu_common.INTERPRET:
+        return interpreted_kernel(*args, **kwargs)
+    return ragged_gpu.ragged_paged_attention_gpu(*args, **kwargs)
+
+
+interpreted_kernel = interpreted(ragged_gpu.ragged_paged_attention_gpu)
+# The checks' answer, jitted: called eagerly, its vmapped gather compiles operation by operation.
+reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------------------
@@ -116,7 +125,7 @@ def run_checks(results: list) -> None:
                 scale = setup["d"] ** -0.5
                 got = kernel(*args, sm_scale=scale, **setup["opts"])
                 with jax.default_matmul_precision("highest"):
-                    want = ragged_paged_attention_reference(*args, sm_scale=scale, **setup["opts"])
+                    want = reference(*args, sm_scale=scale, **setup["opts"])
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
                 record_check(results, name, got, want, dtype, padding_zero)
             except Exception as e:  # keep going: one broken case must not hide the others' results
@@ -132,7 +141,7 @@ def run_checks(results: list) -> None:
                 opts = dict(sm_scale=setup["d"] ** -0.5, k_scales=k_scales, v_scales=v_scales, **setup["opts"])
                 got = kernel(*args, **opts)
                 with jax.default_matmul_precision("highest"):
-                    want = ragged_paged_attention_reference(*args, **opts)
+                    want = reference(*args, **opts)
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
                 record_check(results, name, got, want, "bfloat16", padding_zero)
             except Exception as e:
@@ -158,7 +167,9 @@ def ragged_batch(seqs: list[tuple[int, int]], page_size: int, seed: int):
 
 
 def timed_kernel(args, **opts):
-    fn = jax.jit(lambda *a: kernel(*a, sm_scale=D ** -0.5, **opts))
+    def call(*a):
+        return ragged_gpu.ragged_paged_attention_gpu(*a, sm_scale=D ** -0.5, interpret=gpu_common.INTERPRET, **opts)
+    fn = jax.jit(call, compiler_options=INTERPRET_COMPILER_OPTIONS if gpu_common.INTERPRET else None)
     return bench(fn, *args)
 
 

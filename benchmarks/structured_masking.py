@@ -69,9 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16, help="requests generated at once")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of each kind, after one untimed pair")
+    p.add_argument("--token-buckets", default=None,
+                   help="comma-separated step sizes to compile (default: the engine's, 1, 2, 4, ... 2048)")
     a = p.parse_args(argv)
 
-    llm = LLM(a.model, max_num_seqs=a.concurrency)
+    buckets = tuple(int(b) for b in a.token_buckets.split(",")) if a.token_buckets else None
+    llm = LLM(a.model, max_num_seqs=a.concurrency, token_buckets=buckets)
     spec = StructuredOutputsParams(json=SCHEMA)
     prompts = [f"Person {i}:" for i in range(a.concurrency)]
 

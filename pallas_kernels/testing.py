@@ -6,12 +6,15 @@
 3. Keep the dense K/V, so a test can check the paged answer against attention over the dense arrays
    (`dense_attention`), independently of how the reference gathers pages.
 4. `quantize_pages` turns float pages into int8 / fp8 codes with per-token scales (`kv_quant`).
+5. `interpreted` runs a Pallas kernel in interpret mode, compiled cheaply (see `INTERPRET_COMPILER_OPTIONS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens
@@ -25,6 +28,27 @@ TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
 # is at most absmax / 254 for int8 (~0.014 at absmax 3.5) and |x| / 16 for e4m3 (3 mantissa bits), and an
 # output row is a convex combination of value rows, so a row that sees one key inherits its full error.
 KV_QUANT_TOLERANCES = {"int8": (0.05, 0.01), "fp8": (0.25, 0.04)}
+
+
+# Interpret mode checks a kernel's logic on the CPU; the CPU code it compiles to is never what a user runs
+# (they run the kernel on a GPU or TPU), so it is compiled without LLVM's optimizations: a Mosaic kernel
+# compiles 3x faster here, a Triton one 1.7x, and runs as long either way (tiny grids).
+INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def interpreted(kernel):
+    """`kernel(*arrays, **options)` (a ragged attention kernel's wrapper) in interpret mode, jitted per set of
+    static options with `INTERPRET_COMPILER_OPTIONS`. Array keyword arguments (the quantized pages' scales)
+    stay arguments of the compiled program."""
+    @functools.cache
+    def compiled(static: frozenset):
+        def call(*arrays, **scales):
+            return kernel(*arrays, interpret=True, **dict(static), **scales)
+        return jax.jit(call, compiler_options=INTERPRET_COMPILER_OPTIONS)
+
+    def run(*arrays, k_scales=None, v_scales=None, **static):
+        return compiled(frozenset(static.items()))(*arrays, k_scales=k_scales, v_scales=v_scales)
+    return run
 
 
 @dataclasses.dataclass

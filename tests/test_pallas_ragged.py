@@ -32,6 +32,7 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.testing import (
     KV_QUANT_TOLERANCES,
     TOLERANCES,
+    interpreted,
     quantize_pages,
     ragged_oracle,
     random_ragged_case,
@@ -97,8 +98,8 @@ SMALL_BLOCKS = {
     "blocked": dict(pages_per_block=1, query_window=4),
 }
 IMPLEMENTATIONS = {
-    "pallas-triton": lambda *a, **k: ragged_paged_attention_gpu(*a, interpret=True, **k),
-    "pallas-mosaic": lambda *a, **k: ragged_paged_attention_tpu(*a, interpret=True, **k),
+    "pallas-triton": interpreted(ragged_paged_attention_gpu),
+    "pallas-mosaic": interpreted(ragged_paged_attention_tpu),
     "blocked": ragged_paged_attention_blocked,
 }
 
