@@ -235,10 +235,13 @@ class SchedulerConfig:
     # sequences prefill in one step (None: as many as the budget allows).
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int | None = None
+    # TGI's knob: a step that carries decodes prefills at full width, past the ITL target, when the
+    # sequences waiting for their prefill are at least this many times those decoding (0: never).
+    waiting_served_ratio: float = 1.2
 
     def __post_init__(self):
         validate_scheduling_options(self.scheduling_policy, self.target_itl, self.long_prefill_token_threshold,
-                                    self.max_num_partial_prefills)
+                                    self.max_num_partial_prefills, self.waiting_served_ratio)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
@@ -273,7 +276,7 @@ class SamplerConfig:
 
 
 def validate_scheduling_options(policy: str, target_itl: float | None, long_prefill_token_threshold: int,
-                                max_num_partial_prefills: int | None) -> None:
+                                max_num_partial_prefills: int | None, waiting_served_ratio: float) -> None:
     if policy not in ("fcfs", "priority"):
         raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
     if target_itl is not None and target_itl < 0:
@@ -282,6 +285,8 @@ def validate_scheduling_options(policy: str, target_itl: float | None, long_pref
         raise ValueError(f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}")
     if max_num_partial_prefills is not None and max_num_partial_prefills < 1:
         raise ValueError(f"max_num_partial_prefills must be >= 1, got {max_num_partial_prefills}")
+    if not 0 <= waiting_served_ratio < float("inf"):
+        raise ValueError(f"waiting_served_ratio must be a finite number >= 0 (0: off), got {waiting_served_ratio}")
 
 
 def default_token_buckets(budget: int) -> tuple[int, ...]:

@@ -43,12 +43,13 @@ class EngineArgs:
     # float activations (more accurate, slow on CPU), "dynamic_int8" / "dynamic_fp8" quantize them per token.
     quantization_strategy: str | None = None
     quantize_lm_head: bool = False  # with --quantization: the (untied) LM head too, as llama.cpp's Q8_0 does
-    max_num_batched_tokens: int | None = None  # token budget of one step; default: 512 on CPU, 2048 elsewhere
+    max_num_batched_tokens: int | None = None  # token budget of one step; default: 2048
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt
     target_itl_ms: float | None = None  # ITL cap on steps that carry decodes; None: derived at warm-up; 0: off
     long_prefill_token_threshold: int = 0  # most tokens of one prefill chunk (0: no limit)
     max_num_partial_prefills: int | None = None  # most sequences prefilling in one step (None: no limit)
+    waiting_served_ratio: float = 1.2  # prefill past the ITL target when waiting / decoding >= this (0: never)
     attention_backend: str = "auto"
     layer_loop: str = "auto"  # "scan" | "unroll"; auto: unrolled on CPU, scanned elsewhere (layer_loop.py)
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
@@ -97,7 +98,7 @@ class EngineArgs:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,
-                                    self.max_num_partial_prefills)
+                                    self.max_num_partial_prefills, self.waiting_served_ratio)
         self.parallel  # validates the sizes now, not at model build time
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
         if self.lora_modules and not self.enable_lora:

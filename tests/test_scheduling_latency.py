@@ -105,6 +105,43 @@ def test_steps_without_decodes_prefill_at_full_width():
     assert loop.step().num_tokens == BUDGET
 
 
+@pytest.mark.parametrize("ratio", [1.2, 0])
+def test_a_burst_of_arrivals_beside_few_decodes_prefills_at_full_width_and_starts_together(ratio):
+    """One sequence decodes when six 80-token prompts arrive at once. Past the waiting-served ratio the next
+    step prefills all six (a single stall of the one stream), and they then decode in the same steps; with
+    the ratio off, the cap lets them in a chunk at a time, and every such step stalls the running streams."""
+    scheduler = make_scheduler(0.02, waiting_served_ratio=ratio)
+    calibrate(scheduler)
+    loop = TimedLoop(scheduler)
+    loop.add(request("running", 8, 200))
+    for _ in range(3):
+        loop.step()
+    burst = [request(f"b{i}", 80, 20) for i in range(6)]
+    loop.add(*burst)
+    plan = loop.step()
+    prefilled = sum(seq.num_tokens for seq in plan.seqs if seq.is_prefill)
+    if ratio:
+        assert prefilled == 6 * 80 and loop.seconds[-1] > 0.02  # past the target, once
+        for _ in range(3):
+            loop.step()
+        first_tokens = {min(loop.outputs[r.request_id]) for r in burst}
+        assert len(first_tokens) == 1, "the burst's sequences did not start decoding together"
+    else:
+        assert 0 < prefilled < 6 * 80 and loop.seconds[-1] <= 0.02
+
+
+def test_a_lone_arrival_beside_many_decodes_stays_under_the_cap_whatever_the_ratio():
+    scheduler = make_scheduler(0.02, waiting_served_ratio=1.2)
+    calibrate(scheduler)
+    loop = TimedLoop(scheduler)
+    loop.add(*(request(f"d{i}", 8, 200) for i in range(3)))
+    for _ in range(3):
+        loop.step()
+    loop.add(request("late", 400, 4))
+    loop.step()
+    assert loop.seconds[-1] <= 0.02 and loop.plans[-1].num_tokens < 3 + 400
+
+
 def test_the_derived_target_is_twice_a_full_batch_decode_step():
     scheduler = make_scheduler(None)
     assert scheduler.itl_target() is None  # nothing measured yet: no cap
@@ -218,11 +255,12 @@ def test_scheduling_flags_reach_the_engine_args_and_bad_values_are_refused():
     add_engine_args(parser)
     args = engine_args_from(parser.parse_args(
         ["--scheduling-policy", "priority", "--target-itl-ms", "40", "--long-prefill-token-threshold", "256",
-         "--max-num-partial-prefills", "2"]))
+         "--max-num-partial-prefills", "2", "--waiting-served-ratio", "0.5"]))
     assert (args.scheduling_policy, args.target_itl_ms, args.long_prefill_token_threshold,
-            args.max_num_partial_prefills) == ("priority", 40, 256, 2)
+            args.max_num_partial_prefills, args.waiting_served_ratio) == ("priority", 40, 256, 2, 0.5)
     for bad in ({"scheduling_policy": "lifo"}, {"target_itl_ms": -1}, {"long_prefill_token_threshold": -5},
-                {"max_num_partial_prefills": 0}):
+                {"max_num_partial_prefills": 0}, {"waiting_served_ratio": -1},
+                {"waiting_served_ratio": float("nan")}):
         with pytest.raises(ValueError):
             EngineArgs(**bad)
 

@@ -65,10 +65,12 @@ class BuiltModel:
     pooler_config: PoolerConfig | None = None  # the pooling runner's  # reading (or building) the weights onto the devices
 
 
-def default_token_budget(max_num_seqs: int, platform: str) -> int:
-    """vLLM's chunked-prefill budget on accelerators; on a CPU a smaller one keeps a long prefill from
-    stalling the running streams for long (a step's time grows with its tokens there)."""
-    return max(max_num_seqs, 512 if platform == "cpu" else 2048)
+def default_token_budget(max_num_seqs: int) -> int:
+    """vLLM's chunked-prefill budget, and llama.cpp's batch: a burst of 16 chat prompts prefills in one
+    step. On a CPU too: what a step carrying decodes may add is the ITL cap's choice, not the budget's
+    (docs/performance.md, "Bursts of arrivals"); a budget of 512 there split such a burst over four steps,
+    and the streams started by the first waited through the other three."""
+    return max(max_num_seqs, 2048)
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
@@ -144,13 +146,13 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
     budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
-                                             default_token_budget(args.max_num_seqs, jax.default_backend()))
+                                             default_token_budget(args.max_num_seqs))
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
         token_buckets=args.token_buckets, scheduling_policy=args.scheduling_policy,
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills)
+        max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name)
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.

@@ -56,7 +56,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "same memory at head_dim 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step: a token per running sequence plus prefill chunks "
-                        "(default: 512 on CPU, 2048 on GPU/TPU)")
+                        "(default: 2048)")
     g.add_argument("--token-buckets", default=None,
                    help="comma-separated token counts a step is padded to, one compiled program each "
                         "(default: 1,2,4,... up to --max-num-batched-tokens)")
@@ -114,6 +114,10 @@ def add_scheduling_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill a prompt at most N tokens per step (0: as many as the budget allows)")
     g.add_argument("--max-num-partial-prefills", type=int, default=None, metavar="N",
                    help="at most N sequences prefill in one step (default: as many as the budget allows)")
+    g.add_argument("--waiting-served-ratio", type=float, default=EngineArgs.waiting_served_ratio, metavar="R",
+                   help="as TGI: a step carrying decodes prefills at full width, past --target-itl-ms, when the "
+                        "sequences waiting for their prefill are at least R times those decoding (a burst of "
+                        "arrivals then starts together; 0: never)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:

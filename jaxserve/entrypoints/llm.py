@@ -32,7 +32,8 @@ class LLM:
         "fp8": linear layers quantized at load; None follows the checkpoint), quantization_strategy, quantize_lm_head,
         max_num_batched_tokens, token_buckets, attention_backend, layer_loop, tensor_parallel_size,
         pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,
-        scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills, runner
+        scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills,
+        waiting_served_ratio, runner
         ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config, enable_lora, max_loras,
         max_lora_rank, max_cpu_loras, lora_modules, speculative_config (vLLM's dict, docs/speculative.md)."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))

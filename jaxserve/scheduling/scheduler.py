@@ -23,7 +23,9 @@
 3. A step that carries decodes takes only as many prefill tokens as keep it under the inter-token
    latency target, by the step-time model (`step_cost.py`): a long prompt then prefills in chunks
    beside the decodes instead of stalling them. It may always grow to the bucket above the decodes'
-   own, so prompts never starve; a step without decodes prefills at full width.
+   own, so prompts never starve; a step without decodes prefills at full width, and so does one where
+   the prompts waiting for their prefill outnumber the decoding sequences by the waiting-served ratio
+   (a burst of arrivals: one wide step stalls few streams and starts the burst together).
    vLLM's `long_prefill_token_threshold` and `max_num_partial_prefills` bound the chunks as well.
 4. Scheduling runs one step ahead of the host's knowledge (asynchronous scheduling): the step it plans
    is dispatched while the previous one still runs, so a sequence's newest token may still be on the
@@ -153,10 +155,18 @@ class Scheduler:
         """The bound on this step's prefill tokens that keeps its decodes under the ITL target (None:
         no bound: no decodes in the step, no target, or nothing measured yet)."""
         target = self.itl_target() if decodes else None
-        if target is None or not self.step_cost.calibrated:
+        if target is None or not self.step_cost.calibrated or self._burst_waiting(len(decodes)):
             return None
         return PrefillCap(self.step_cost, target, sum(seq.num_tokens for seq in decodes),
                           sum(seq.start + seq.num_tokens for seq in decodes), limit)
+
+    def _burst_waiting(self, decoding: int) -> bool:
+        """Whether the admitted sequences still to prefill outnumber the decoding ones by the waiting-served
+        ratio: then one wide prefill step, a stall for few streams, starts many together; capped, they
+        would trickle in over many steps, each a stall for every stream (TGI's waiting_served_ratio)."""
+        ratio = self.config.waiting_served_ratio
+        waiting = sum(1 for r in self.slots if r is not None and r.is_prefilling)
+        return ratio > 0 and waiting >= ratio * decoding
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:
