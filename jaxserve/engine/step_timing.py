@@ -1,10 +1,11 @@
 """Step times for the scheduler's step-time model (`jaxserve/scheduling/step_cost.py`), as the engine
 measures them.
 
-1. Calibration: once every program is compiled, an idle step of each bucket is timed (a short one twice,
-   the faster counting), while no request runs: at warm-up, or a bucket per idle moment of a server whose
-   programs compiled in the background. Not in a multi-host run: its processes would have to run the
-   timing steps together; its model learns from served steps alone.
+1. Calibration: once every program is compiled, an idle step of each bucket is timed (one under a second
+   twice, the faster counting: a program's first run pays a one-off cost, ~65 ms on the 124.7M model on
+   CPU, which doubled its decode step's reading), while no request runs: at warm-up, or a bucket per
+   idle moment of a server whose programs compiled in the background. Not in a multi-host run: its
+   processes would have to run the timing steps together; its model learns from served steps alone.
 2. Online: each step whose samples the host waited for is measured from when the device could start it
    (its launch, or the end of the step before) to their arrival (`StepClock`).
 """
@@ -19,7 +20,7 @@ from jaxserve.execution.runner import LaunchedStep
 from jaxserve.scheduling.step_cost import kv_tokens_read
 
 logger = logging.getLogger("jaxserve.engine.engine")
-SHORT_STEP_SECONDS = 0.1  # an idle step this short is timed twice
+SHORT_STEP_SECONDS = 1.0  # an idle step this short is timed twice
 
 
 class StepTiming:
@@ -27,10 +28,11 @@ class StepTiming:
 
     def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
         """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
-        model; a short one twice, the faster counting (a first run pays one-off costs, and a long one
-        would add seconds to the start of a big model). Only while no request runs (an idle server: the
-        async engine calls it once background compilation is done, a bucket per idle moment); in a
-        multi-host run the model learns from served steps alone."""
+        model; one under SHORT_STEP_SECONDS twice, the faster counting (a program's first run pays a
+        one-off cost of tens of milliseconds; a long step is timed once, where that cost is small beside
+        it and a second run would add seconds to the start of a big model). Only while no request runs
+        (an idle server: the async engine calls it once background compilation is done, a bucket per idle
+        moment); in a multi-host run the model learns from served steps alone."""
         buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
         if not self.calibration_due or self.has_unfinished():
             return
