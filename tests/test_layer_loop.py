@@ -48,7 +48,7 @@ def test_auto_unrolls_on_cpu_and_scans_elsewhere():
 @pytest.mark.parametrize("case", ["llama_gqa_untied", "gemma2_softcap", "mixtral"])
 def test_scanned_layers_match_transformers(case):
     # One program (the prefill budget runs the decodes too): the scan, not bucket choice, is the subject.
-    runner = make_runner(case, layer_loop="scan", token_buckets=(64,))
+    runner = make_runner(case, layer_loop="scan")
     config = ModelConfig.from_pretrained(FIXTURES / case)
     layers = runner.params["layers"]  # one period of layers, each parameter stacked over the repeats
     assert len(layers) < config.num_layers
