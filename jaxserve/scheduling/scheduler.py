@@ -153,7 +153,7 @@ class Scheduler:
 
     def _latency_cap(self, decodes: list[ScheduledSeq], limit: int) -> PrefillCap | None:
         """The bound on this step's prefill tokens that keeps its decodes under the ITL target (None:
-        no bound: no decodes in the step, no target, or nothing measured yet)."""
+        no bound: no decodes in the step, no target, nothing measured yet, or a burst waits)."""
         target = self.itl_target() if decodes else None
         if target is None or not self.step_cost.calibrated or self._burst_waiting(len(decodes)):
             return None
