@@ -72,7 +72,8 @@ from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa
 from pallas_kernels import ragged_gpu  # noqa: E402
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
-from pallas_kernels.testing import INTERPRET_COMPILER_OPTIONS, interpreted, random_ragged_case  # noqa: E402
+from pallas_kernels.testing import (INTERPRET_COMPILER_OPTIONS, interpreted, jitted_reference,  # noqa: E402
+                                    random_ragged_case)
 
 H, KVH, D = 32, 8, 128  # the timed shapes: a Llama-3-8B-like layer
 
@@ -86,8 +87,6 @@ def kernel(*args, **kwargs):
 
 
 interpreted_kernel = interpreted(ragged_gpu.ragged_paged_attention_gpu)
-# The checks' answer, jitted: called eagerly, its vmapped gather compiles operation by operation.
-reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------------------
@@ -125,7 +124,7 @@ def run_checks(results: list) -> None:
                 scale = setup["d"] ** -0.5
                 got = kernel(*args, sm_scale=scale, **setup["opts"])
                 with jax.default_matmul_precision("highest"):
-                    want = reference(*args, sm_scale=scale, **setup["opts"])
+                    want = jitted_reference(*args, sm_scale=scale, **setup["opts"])
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
                 record_check(results, name, got, want, dtype, padding_zero)
             except Exception as e:  # keep going: one broken case must not hide the others' results
@@ -141,7 +140,7 @@ def run_checks(results: list) -> None:
                 opts = dict(sm_scale=setup["d"] ** -0.5, k_scales=k_scales, v_scales=v_scales, **setup["opts"])
                 got = kernel(*args, **opts)
                 with jax.default_matmul_precision("highest"):
-                    want = reference(*args, **opts)
+                    want = jitted_reference(*args, **opts)
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
                 record_check(results, name, got, want, "bfloat16", padding_zero)
             except Exception as e:

@@ -6,7 +6,8 @@
 3. Keep the dense K/V, so a test can check the paged answer against attention over the dense arrays
    (`dense_attention`), independently of how the reference gathers pages.
 4. `quantize_pages` turns float pages into int8 / fp8 codes with per-token scales (`kv_quant`).
-5. `interpreted` runs a Pallas kernel in interpret mode, compiled cheaply (see `INTERPRET_COMPILER_OPTIONS`).
+5. `interpreted` runs a Pallas kernel in interpret mode, compiled cheaply (see `INTERPRET_COMPILER_OPTIONS`);
+   `jitted_reference` is the answer it is checked against.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 # Kernel vs reference, keyed by dtype name: (atol, rtol). bf16 kernels round p to bf16 before p @ V.
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
@@ -34,6 +36,12 @@ KV_QUANT_TOLERANCES = {"int8": (0.05, 0.01), "fp8": (0.25, 0.04)}
 # (they run the kernel on a GPU or TPU), so it is compiled without LLVM's optimizations: a Mosaic kernel
 # compiles 3x faster here, a Triton one 1.7x, and runs as long either way (tiny grids).
 INTERPRET_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+# The reference, jitted: called outside jit, its vmapped gather compiles operation by operation (seconds per
+# case shape); jitted, it is one small program per shape, found in a test run's compilation cache by the others.
+jitted_reference = jax.jit(ragged_paged_attention_reference,
+                           static_argnames=("sm_scale", "soft_cap", "sliding_window"))
 
 
 def interpreted(kernel):

@@ -28,21 +28,19 @@ from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 from pallas_kernels import ragged_gpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.testing import (
     KV_QUANT_TOLERANCES,
     TOLERANCES,
     interpreted,
+    jitted_reference,
     quantize_pages,
     ragged_oracle,
     random_ragged_case,
 )
 
 
-# The answer every implementation is checked against, jitted: called outside jit, its vmapped gather
-# compiles operation by operation (seconds per case shape, several times over in this sweep); jitted, it is
-# one small program per shape, found in the run's compilation cache by the other workers.
-reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap", "sliding_window"))
+reference = jitted_reference  # the answer every implementation is checked against
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
