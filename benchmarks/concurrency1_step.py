@@ -21,6 +21,7 @@ import statistics
 import time
 
 from jaxserve import LLM
+from jaxserve.entrypoints.args import parse_token_buckets
 from jaxserve.sampling.params import SamplingParams
 
 PHASES = {"schedule": ("scheduler", "schedule"), "build batch": ("runner.builder", "build"),
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--token-buckets", default="16,64", help="few buckets: fewer programs to compile")
     args = parser.parse_args()
-    buckets = tuple(int(b) for b in args.token_buckets.split(","))
+    buckets = parse_token_buckets(args.token_buckets)
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=buckets[-1], token_buckets=buckets,
               max_model_len=512)
     engine = llm.engine

@@ -27,6 +27,7 @@ import sys
 import time
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.entrypoints.args import parse_token_buckets
 from jaxserve.sampling.grammar import StructuredOutputsParams
 
 SCHEMA = {
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated step sizes to compile (default: the engine's, 1, 2, 4, ... 2048)")
     a = p.parse_args(argv)
 
-    buckets = tuple(int(b) for b in a.token_buckets.split(",")) if a.token_buckets else None
+    buckets = parse_token_buckets(a.token_buckets) if a.token_buckets else None
     llm = LLM(a.model, max_num_seqs=a.concurrency, token_buckets=buckets)
     spec = StructuredOutputsParams(json=SCHEMA)
     prompts = [f"Person {i}:" for i in range(a.concurrency)]

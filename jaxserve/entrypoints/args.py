@@ -147,5 +147,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         ns.model = ns.model_tag
     kwargs = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
     if kwargs.get("token_buckets"):
-        kwargs["token_buckets"] = tuple(int(b) for b in kwargs["token_buckets"].split(","))
+        kwargs["token_buckets"] = parse_token_buckets(kwargs["token_buckets"])
     return EngineArgs(**kwargs)
+
+
+def parse_token_buckets(text: str) -> tuple[int, ...]:
+    """`--token-buckets 16,64` -> (16, 64); EngineArgs checks the sizes."""
+    return tuple(int(b) for b in text.split(","))

@@ -165,8 +165,7 @@ class Scheduler:
         ratio: then one wide prefill step, a stall for few streams, starts many together; capped, they
         would trickle in over many steps, each a stall for every stream (TGI's waiting_served_ratio)."""
         ratio = self.config.waiting_served_ratio
-        waiting = sum(1 for r in self.slots if r is not None and r.is_prefilling)
-        return ratio > 0 and waiting >= ratio * decoding
+        return ratio > 0 and sum(r.is_prefilling for r in self.running) >= ratio * decoding
 
     @staticmethod
     def _wants_decode(request: Request) -> bool:
