@@ -52,6 +52,7 @@ class EngineArgs:
     waiting_served_ratio: float = 1.2  # prefill past the ITL target when waiting / decoding >= this (0: never)
     attention_backend: str = "auto"
     layer_loop: str = "auto"  # "scan" | "unroll"; auto: unrolled on CPU, scanned elsewhere (layer_loop.py)
+    cpu_matmul_library: str = "auto"  # "ynnpack" | "eigen": what runs a CPU step's dots (execution/cpu_matmuls.py)
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
     max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
     demo_weights_seed: int = 0  # seeds the built-in demo model's random weights

@@ -23,6 +23,9 @@ import jax
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
+from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
+from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
+from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
@@ -62,7 +65,9 @@ class BuiltModel:
     sampler_config: SamplerConfig
     weights_seconds: float = 0.0
     runner: str = "generate"  # or "pooling" (resolved from --runner auto)
-    pooler_config: PoolerConfig | None = None  # the pooling runner's  # reading (or building) the weights onto the devices
+    pooler_config: PoolerConfig | None = None  # the pooling runner's
+    # the step programs' compile options (on a CPU: which library runs the matmuls, execution/cpu_matmuls.py)
+    compiler_options: dict = dataclasses.field(default_factory=dict)  # reading (or building) the weights onto the devices
 
 
 def default_token_budget(max_num_seqs: int) -> int:
@@ -153,8 +158,10 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    logger.info("platform %s, %s weights, attention kernels: %s", jax.default_backend(),
-                jax.numpy.dtype(dtype).name, attention.name)
+    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype)
+    logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),
+                jax.numpy.dtype(dtype).name, attention.name,
+                f", matrix products: {describe_cpu_matmuls(matmuls)}" if matmuls else "")
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.
     budget = resolve_kv_budget(config, kv_quant_dtype(args.kv_cache_dtype) or dtype, page_size=args.page_size, max_model_len=max_model_len,
                                max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
@@ -166,4 +173,5 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                                                enable_prefix_caching=args.enable_prefix_caching,
                                                kv_cache_dtype=args.kv_cache_dtype),
                       sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
-                                                   max_logit_bias=args.max_logit_bias))
+                                                   max_logit_bias=args.max_logit_bias),
+                      compiler_options=cpu_matmul_options(matmuls))

@@ -82,6 +82,7 @@ class Engine(PoolingRequests, StepTiming):
                                               built.scheduler_config, built.attention, built.dtype,
                                               built.sampler_config, self.compile_events,
                                               pooling=built.runner == "pooling", lora=slots,
+                                              compiler_options=built.compiler_options,
                                               max_drafts=args.speculative_config.num_speculative_tokens
                                               if args.speculative_config else 0)
         self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,

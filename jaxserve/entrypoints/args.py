@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS
+from jaxserve.config import CPU_MATMUL_LIBRARIES, KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS
 from jaxserve.engine_args import EngineArgs
 
 
@@ -65,6 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="how a step program runs the layers: 'scan' compiles one period of layers under "
                         "lax.scan (compile time independent of depth), 'unroll' one copy per layer; 'auto' "
                         "unrolls on CPU (faster steps there) and scans on TPU and GPU")
+    g.add_argument("--cpu-matmul-library", default=EngineArgs.cpu_matmul_library, choices=list(CPU_MATMUL_LIBRARIES),
+                   help="what runs a step's matrix products on a CPU: 'ynnpack' (XLA's default) or 'eigen'; "
+                        "'auto' takes Eigen for float32 models of hidden size 512 and up, faster there at "
+                        "batched decode (docs/performance.md)")
     add_scheduling_args(parser)
     g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                    help="top logprobs a request may ask for, per sampled and per prompt token")

@@ -30,7 +30,8 @@ class LLM:
         max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), kv_cache_dtype ("auto" | "int8" | "fp8"), quantization ("int8" |
         "fp8": linear layers quantized at load; None follows the checkpoint), quantization_strategy, quantize_lm_head,
-        max_num_batched_tokens, token_buckets, attention_backend, layer_loop, tensor_parallel_size,
+        max_num_batched_tokens, token_buckets, attention_backend, layer_loop, cpu_matmul_library,
+        tensor_parallel_size,
         pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,
         scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills,
         waiting_served_ratio, runner

@@ -42,7 +42,8 @@ class StepCompiler:
     def __init__(self, step, layouts: dict[int, BatchLayout], program_inputs: Callable[[BatchLayout], tuple],
                  key_parts: tuple, devices, min_bucket: int, events: CompileEvents):
         """`step`: the jitted step; `program_inputs(layout)`: its arguments as shapes and shardings;
-        `key_parts`: what else the program is made of; `min_bucket`: the tokens the first program must hold."""
+        `key_parts`: what else the program is made of (the step's compile options too); `min_bucket`: the
+        tokens the first program must hold."""
         self.step = step
         self.layouts = layouts
         self.program_inputs = program_inputs

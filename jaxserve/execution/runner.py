@@ -94,10 +94,12 @@ class ModelRunner:
     def __init__(self, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
-                 pooling: bool = False, lora: LoRASlots | None = None, max_drafts: int = 0):
+                 pooling: bool = False, lora: LoRASlots | None = None, max_drafts: int = 0,
+                 compiler_options: dict | None = None):
         """`pooling`: the pooling runner's step program (pooled rows, no sampling; `--runner pooling`);
         `lora`: the LoRA adapters' device slots (`enable_lora`); `max_drafts`: draft tokens a sequence may
-        verify per step (speculative decoding; 0: off)."""
+        verify per step (speculative decoding; 0: off); `compiler_options`: XLA options of the step programs
+        (`cpu_matmuls.py`)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -135,10 +137,11 @@ class ModelRunner:
         self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
         step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
                         num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling,
-                        lora=None if lora is None else lora.stack)
+                        lora=None if lora is None else lora.stack, compiler_options=compiler_options)
         self.compiler = StepCompiler(step, layouts, self._program_inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
-                                      max_seqs, sampler_config.max_logprobs, pooling),
+                                      max_seqs, sampler_config.max_logprobs, pooling,
+                                      sorted((compiler_options or {}).items())),
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
 
     def _abstract_kv_cache(self) -> KVCache:

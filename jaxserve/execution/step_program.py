@@ -47,11 +47,13 @@ class StepResults:
 
 
 def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sampler_state: SamplerState,
-             num_samples: int, top: int, pooling: bool = False, lora: LoRAStack | None = None):
+             num_samples: int, top: int, pooling: bool = False, lora: LoRAStack | None = None,
+             compiler_options: dict | None = None):
     """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
     runs Python code for every leaf, on every call, on the critical path of each step. Call it as
     `step(param_leaves, kv_cache, sampler_state, prev_samples, ints, floats, masks, lora, layout, with_logits)`;
-    `lora`: the LoRA slot stacks (`jaxserve/lora/slots.py`, shaped like the given one), or None without LoRA."""
+    `lora`: the LoRA slot stacks (`jaxserve/lora/slots.py`, shaped like the given one), or None without LoRA;
+    `compiler_options`: XLA options of every program of the step (`cpu_matmuls.py`)."""
     leaves, param_tree = jax.tree.flatten(model.params)
     rep = plan.replicated
     state_sharding = jax.tree.map(lambda a: a.sharding, sampler_state)
@@ -75,7 +77,7 @@ def jit_step(model, plan: MeshPlan, attention, config, kv_abstract: KVCache, sam
     # Layout and the logits flag are static (one program each) and positional: jit takes no kwargs
     # with in_shardings. The cache and the sampler state are donated: updated in place. The LoRA stacks
     # are an input like the weights: loading an adapter into a slot changes their values, not the program.
-    return jax.jit(step, static_argnums=(8, 9), donate_argnums=(1, 2),
+    return jax.jit(step, static_argnums=(8, 9), donate_argnums=(1, 2), compiler_options=compiler_options or None,
                    in_shardings=(tuple(a.sharding for a in leaves), kv_sharding, state_sharding, rep, rep, rep, rep,
                                  lora_sharding),
                    out_shardings=(kv_sharding, state_sharding, rep, rep))

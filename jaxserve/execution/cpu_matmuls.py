@@ -1,0 +1,48 @@
+"""Which library runs the matrix products of a step program on a CPU, chosen once per engine.
+
+XLA:CPU hands dots (and reductions) to YNNPACK fusions by default; with YNNPACK's dot fusions off, a dot
+goes to XLA's own dot path (Eigen's contraction). Measured on the 2-core development machine
+(docs/performance.md, "Matrix products on the CPU"), same process, same greedy tokens:
+- the 124.7M model's float32 decode step: 1.2x faster with Eigen at 4 rows and 1.25-1.3x at 16, equal at 1;
+  its 512-token prefill the same or faster. Its matmuls are what that step spends its time on.
+- stories260K (hidden 64): 1.4x slower with Eigen at 16 rows. Its matmuls are tiny, and attention's many
+  small batched products (a few query heads against a block of keys, per sequence) dominate: YNNPACK
+  runs those faster.
+- int8 x int8 -> int32 products (`--quantization int8`, dynamic strategy): 8x slower without YNNPACK.
+So `auto` takes Eigen for float32 weights from `EIGEN_FROM_HIDDEN` features up (no quantized layers), and
+XLA's default everywhere else. The choice is a compile option of the step programs (part of their cache
+keys), so it touches nothing else in the process. Reductions stay in YNNPACK either way: XLA's own
+emitter ran the attention's multiply-and-sum formulation 12x slower.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxserve.config import CPU_MATMUL_LIBRARIES, ModelConfig
+
+EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) in Eigen
+YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+# XLA's default list is dots and reductions; this keeps the reductions only.
+EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype) -> str | None:
+    """'ynnpack' or 'eigen' on a CPU, None elsewhere (the option does not exist there)."""
+    if choice not in CPU_MATMUL_LIBRARIES:
+        raise ValueError(f"cpu_matmul_library must be one of {', '.join(CPU_MATMUL_LIBRARIES)}, got {choice!r}")
+    if platform != "cpu":
+        return None
+    if choice != "auto":
+        return choice
+    float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
+    return "eigen" if float32 and config.hidden_size >= EIGEN_FROM_HIDDEN else "ynnpack"
+
+
+def compiler_options(library: str | None) -> dict[str, str]:
+    """The step programs' compile options for the resolved library."""
+    return dict(EIGEN_DOTS) if library == "eigen" else {}
+
+
+def describe(library: str | None) -> str:
+    return {"eigen": "Eigen (YNNPACK for reductions)", "ynnpack": "YNNPACK"}.get(library, "the backend's")

@@ -1,0 +1,62 @@
+"""What runs a CPU step's matrix products (`--cpu-matmul-library`, jaxserve/execution/cpu_matmuls.py): the
+choice per model, that it reaches the compiled step programs, and that it changes no token."""
+
+import argparse
+import dataclasses
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.entrypoints.args import add_engine_args, engine_args_from
+from jaxserve.execution.cpu_matmuls import EIGEN_FROM_HIDDEN, compiler_options, resolve_cpu_matmuls
+
+
+def _config(hidden: int, quantized: bool = False) -> ModelConfig:
+    config = ModelConfig(model_type="llama", vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=hidden // 4, max_position_embeddings=64)
+    spec = LinearQuantization(codes="int8", strategy="dynamic_int8") if quantized else None
+    return dataclasses.replace(config, linear_quantization=spec)
+
+
+def test_auto_takes_eigen_for_float32_models_from_the_threshold_up():
+    big, small = _config(EIGEN_FROM_HIDDEN), _config(64)
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32) == "eigen"
+    assert resolve_cpu_matmuls("auto", "cpu", small, jnp.float32) == "ynnpack"  # attention's tiny products
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.bfloat16) == "ynnpack"
+    # int8 x int8 products run fast in YNNPACK only
+    assert resolve_cpu_matmuls("auto", "cpu", _config(EIGEN_FROM_HIDDEN, quantized=True), jnp.float32) == "ynnpack"
+    assert resolve_cpu_matmuls("eigen", "cpu", small, jnp.float32) == "eigen"
+    assert resolve_cpu_matmuls("auto", "tpu", big, jnp.float32) is None  # an XLA:CPU option only
+    assert compiler_options(None) == compiler_options("ynnpack") == {}
+    with pytest.raises(ValueError, match="cpu_matmul_library"):
+        resolve_cpu_matmuls("mkl", "cpu", big, jnp.float32)
+
+
+def test_the_flag_reaches_the_engine_args():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).cpu_matmul_library == "auto"
+    assert engine_args_from(parser.parse_args(["--cpu-matmul-library", "eigen"])).cpu_matmul_library == "eigen"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cpu-matmul-library", "mkl"])
+
+
+def _dots_in_ynnpack(llm, bucket: int) -> int:
+    text = llm.engine.runner.compiler._compiled[bucket].as_text()
+    return sum(1 for line in text.splitlines()
+               if "__ynn_fusion" in line and re.search(r'op_name="[^"]*dot_general', line))
+
+
+def test_eigen_step_programs_have_no_ynnpack_products_and_give_the_same_tokens(stories_dir, stories_llm):
+    # stories260K's `auto` is YNNPACK (the suite's shared engine); forced to Eigen, its products leave YNNPACK.
+    eigen = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(64,),
+                cpu_matmul_library="eigen")
+    assert _dots_in_ynnpack(stories_llm, 64) > 0 and _dots_in_ynnpack(eigen, 64) == 0
+    prompts = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park to", ""]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    assert ([o.outputs[0].token_ids for o in eigen.generate(prompts, greedy)] ==
+            [o.outputs[0].token_ids for o in stories_llm.generate(prompts, greedy)])
+    assert eigen.engine.compilations_since_warmup == 0
