@@ -15,6 +15,12 @@ on device from the batch's real lengths, so a step costs what its sequences hold
 Padding rows are never written and stay zero. All math is float32. Quantized pages (`kv_quant.py`): each
 gathered block is converted from its codes and the per-key scales multiply the scores and the value
 weights, so no float copy of the cache is ever made.
+
+`decode_products` says how the decode rows' small per-sequence products run: "dot" (batched `einsum`s,
+which XLA:CPU gives YNNPACK by default) or "multiply_sum" (elementwise products and sums, which stay in
+YNNPACK's reduce fusions when a step program's dots are compiled for Eigen: XLA's batched dots there
+took 1.7x as long for 16 sequences; see jaxserve/execution/cpu_matmuls.py and docs/performance.md).
+Steps of fewer than `MULTIPLY_SUM_MIN_SEQS` sequence rows keep the dots, faster there in both libraries.
 """
 
 from __future__ import annotations
@@ -27,18 +33,26 @@ from jax import lax
 
 from pallas_kernels.reference import MASK_VALUE, check_ragged_args
 
+MULTIPLY_SUM_MIN_SEQS = 4  # 12 layers of 1 decode row: 1.3-1.45 ms as dots, 1.8 ms as multiply-and-sum
 
-def _attend_block(carry, q, k, v, valid, *, spec: str, sm_scale, soft_cap, k_scale=None, v_scale=None):
+
+def _attend_block(carry, q, k, v, valid, *, spec: str, sm_scale, soft_cap, k_scale=None, v_scale=None,
+                  products: str = "dot"):
     """Fold one key block into the running softmax (acc [..., D], max m and sum l [..., 1], float32).
 
     `spec` names q's and k's axes for einsum ("skgd,skld" or "kwgd,kld"): the scores are q's axes with
     d replaced by the key axis l; `valid` broadcasts against them, and so do the per-key scales of
-    quantized pages (k and v then hold the codes, see `kv_quant`).
+    quantized pages (k and v then hold the codes, see `kv_quant`). `products`: "dot" or, for the decode
+    spec, "multiply_sum" (see the module's docstring).
     """
     acc, m, l = carry
     q_axes, k_axes = spec.split(",")
     s_axes = q_axes[:-1] + "l"
-    s = jnp.einsum(f"{spec}->{s_axes}", q, k)
+    multiply_sum = products == "multiply_sum"
+    if multiply_sum:  # q [K, S, G, D] x k [K, S, L, D]: the sum over d of their broadcast product
+        s = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)
+    else:
+        s = jnp.einsum(f"{spec}->{s_axes}", q, k)
     s = s * (sm_scale if k_scale is None else k_scale * sm_scale)
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
@@ -46,7 +60,11 @@ def _attend_block(carry, q, k, v, valid, *, spec: str, sm_scale, soft_cap, k_sca
     m_next = jnp.maximum(m, s.max(axis=-1, keepdims=True))
     alpha = jnp.exp(m - m_next)
     p = jnp.where(valid, jnp.exp(s - m_next), 0.0)  # a row that sees nothing here stays unchanged
-    pv = jnp.einsum(f"{s_axes},{k_axes}->{q_axes}", p if v_scale is None else p * v_scale, v)
+    weights = p if v_scale is None else p * v_scale
+    if multiply_sum:  # weights [K, S, G, L] x v [K, S, L, D]: the sum over l
+        pv = (weights[..., None] * v[:, :, None, :, :]).sum(-2)
+    else:
+        pv = jnp.einsum(f"{s_axes},{k_axes}->{q_axes}", weights, v)
     return acc * alpha + pv, m_next, l * alpha + p.sum(-1, keepdims=True)
 
 
@@ -68,11 +86,12 @@ def _gather_block(pages, scales, ids, shape, scale_axes):
     return block, jnp.expand_dims(scales[:, ids].reshape(shape[:-1]), scale_axes)
 
 
-def _decode_rows(q, kv, kv_lens, tables, cu_q_lens, *, ppb, sm_scale, soft_cap, sliding_window):
+def _decode_rows(q, kv, kv_lens, tables, cu_q_lens, *, ppb, sm_scale, soft_cap, sliding_window, products):
     """Rows of sequences with exactly one query: [num_seqs, H, D] results and their row indices."""
-    scoring = dict(sm_scale=sm_scale, soft_cap=soft_cap)
     k_pages, v_pages, k_scales, v_scales = kv
     num_seqs = kv_lens.shape[0]
+    products = products if num_seqs >= MULTIPLY_SUM_MIN_SEQS else "dot"
+    scoring = dict(sm_scale=sm_scale, soft_cap=soft_cap, products=products)
     kvh, _, page_size, head_dim = k_pages.shape
     block_k = ppb * page_size
     q_len = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -147,12 +166,13 @@ def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "pages_per_block",
-                                             "query_window"))
+                                             "query_window", "decode_products"))
 def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                                    page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                    soft_cap: float | None = None, sliding_window: int | None = None,
                                    pages_per_block: int | None = None, query_window: int = 32,
-                                   k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+                                   k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                                   decode_products: str = "dot") -> jax.Array:
     """Blocked jnp ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
@@ -160,6 +180,7 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         v_scales: as for `ragged_paged_attention_reference`.
       pages_per_block: pages per key block (static; default: about 64 keys).
       query_window: query rows of one prefill sequence handled together (static; capped at the tokens).
+      decode_products: "dot" or "multiply_sum", how the decode rows' products run (static; see above).
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
@@ -176,7 +197,9 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
     kv_lens, cu_q_lens = kv_lens.astype(jnp.int32), cu_q_lens.astype(jnp.int32)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window)
     kv = (k_pages, v_pages, k_scales, v_scales)
-    rows_out, rows = _decode_rows(q, kv, kv_lens, tables, cu_q_lens, ppb=ppb, **common)
+    if decode_products not in ("dot", "multiply_sum"):
+        raise ValueError(f"decode_products must be 'dot' or 'multiply_sum', got {decode_products!r}")
+    rows_out, rows = _decode_rows(q, kv, kv_lens, tables, cu_q_lens, ppb=ppb, products=decode_products, **common)
     out = jnp.zeros(q.shape, q.dtype).at[rows].set(rows_out.astype(q.dtype), mode="drop")
     return _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, ppb=ppb,
                        window=min(query_window, q.shape[0]), **common)

@@ -31,6 +31,11 @@ class AttentionBackend:
 
 REFERENCE = AttentionBackend("reference (jnp, dense)", ragged_paged_attention_reference)
 BLOCKED = AttentionBackend("blocked (jnp)", ragged_paged_attention_blocked)
+# For step programs whose dots run in Eigen (jaxserve/execution/cpu_matmuls.py): the decode rows' small
+# per-sequence products as multiply-and-sum, which stays in YNNPACK's reduce fusions (docs/performance.md).
+BLOCKED_MULTIPLY_SUM = AttentionBackend("blocked (jnp, decode products as multiply-and-sum)",
+                                        functools.partial(ragged_paged_attention_blocked,
+                                                          decode_products="multiply_sum"))
 
 
 def select_attention_backend(requested: str = "auto", platform: str | None = None) -> AttentionBackend:
@@ -42,6 +47,11 @@ def select_attention_backend(requested: str = "auto", platform: str | None = Non
     if requested == "auto" and platform == "cpu":
         return BLOCKED
     return kernels_for_platform(platform)
+
+
+def for_eigen_dots(backend: AttentionBackend) -> AttentionBackend:
+    """The backend to use in step programs compiled with YNNPACK's dot fusions off."""
+    return BLOCKED_MULTIPLY_SUM if backend is BLOCKED else backend
 
 
 CPU_FLAVOUR_ENV = "JAXSERVE_PALLAS_CPU_FLAVOUR"

@@ -15,6 +15,7 @@ doubling the interpret-mode runs; and the reference on quantized pages against f
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,11 +95,14 @@ SMALL_BLOCKS = {
     "pallas-triton": dict(block_q=8, pages_per_compute_block=1),
     "pallas-mosaic": dict(block_q=16, pages_per_compute_block=1),
     "blocked": dict(pages_per_block=1, query_window=4),
+    "blocked-multiply-sum": dict(pages_per_block=1, query_window=4),
 }
 IMPLEMENTATIONS = {
     "pallas-triton": interpreted(ragged_paged_attention_gpu),
     "pallas-mosaic": interpreted(ragged_paged_attention_tpu),
     "blocked": ragged_paged_attention_blocked,
+    # What step programs with Eigen dots use (pallas_kernels/dispatch.py, BLOCKED_MULTIPLY_SUM).
+    "blocked-multiply-sum": functools.partial(ragged_paged_attention_blocked, decode_products="multiply_sum"),
 }
 
 

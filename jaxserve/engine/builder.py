@@ -36,7 +36,7 @@ from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
 from jaxserve.text.tokenizer import Tokenizer
-from pallas_kernels.dispatch import AttentionBackend, select_attention_backend
+from pallas_kernels.dispatch import AttentionBackend, for_eigen_dots, select_attention_backend
 from pallas_kernels.kv_quant import kv_quant_dtype
 from sharding import make_plan
 from sharding.multihost import initialize as initialize_distributed
@@ -159,6 +159,8 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype)
+    if matmuls == "eigen":
+        attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),
                 jax.numpy.dtype(dtype).name, attention.name,
                 f", matrix products: {describe_cpu_matmuls(matmuls)}" if matmuls else "")
