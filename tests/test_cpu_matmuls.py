@@ -35,6 +35,17 @@ def test_auto_takes_eigen_for_float32_models_from_the_threshold_up():
         resolve_cpu_matmuls("mkl", "cpu", big, jnp.float32)
 
 
+def test_a_jaxlib_without_the_option_keeps_its_default(monkeypatch, caplog):
+    from jaxserve.execution import cpu_matmuls
+    monkeypatch.setattr(cpu_matmuls, "EIGEN_DOTS", {"xla_cpu_no_such_option": "1"})
+    cpu_matmuls._xla_knows_the_option.cache_clear()
+    try:
+        assert resolve_cpu_matmuls("eigen", "cpu", _config(64), jnp.float32) == "ynnpack"
+        assert "matrix products stay in its default library" in caplog.text
+    finally:
+        cpu_matmuls._xla_knows_the_option.cache_clear()
+
+
 def test_the_flag_reaches_the_engine_args():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -67,7 +67,7 @@ class BuiltModel:
     runner: str = "generate"  # or "pooling" (resolved from --runner auto)
     pooler_config: PoolerConfig | None = None  # the pooling runner's
     # the step programs' compile options (on a CPU: which library runs the matmuls, execution/cpu_matmuls.py)
-    compiler_options: dict = dataclasses.field(default_factory=dict)  # reading (or building) the weights onto the devices
+    compiler_options: dict = dataclasses.field(default_factory=dict)
 
 
 def default_token_budget(max_num_seqs: int) -> int:

@@ -17,6 +17,10 @@ emitter ran the attention's multiply-and-sum formulation 12x slower.
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CPU_MATMUL_LIBRARIES, ModelConfig
@@ -26,6 +30,8 @@ YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 # XLA's default list is dots and reductions; this keeps the reductions only.
 EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}
 
+logger = logging.getLogger(__name__)
+
 
 def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype) -> str | None:
     """'ynnpack' or 'eigen' on a CPU, None elsewhere (the option does not exist there)."""
@@ -33,10 +39,24 @@ def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype) 
         raise ValueError(f"cpu_matmul_library must be one of {', '.join(CPU_MATMUL_LIBRARIES)}, got {choice!r}")
     if platform != "cpu":
         return None
-    if choice != "auto":
-        return choice
-    float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
-    return "eigen" if float32 and config.hidden_size >= EIGEN_FROM_HIDDEN else "ynnpack"
+    if choice == "auto":
+        float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
+        choice = "eigen" if float32 and config.hidden_size >= EIGEN_FROM_HIDDEN else "ynnpack"
+    if choice == "eigen" and not _xla_knows_the_option():
+        logger.warning("this jaxlib's XLA:CPU has no %s option: matrix products stay in its default library",
+                       YNN_FUSION_OPTION)
+        return "ynnpack"
+    return choice
+
+
+@functools.cache
+def _xla_knows_the_option() -> bool:
+    """The option is experimental: a jaxlib without it would refuse every step program, so ask once."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=EIGEN_DOTS).lower(jnp.zeros(2)).compile()
+        return True
+    except Exception:  # XLA answers an unknown option with INVALID_ARGUMENT
+        return False
 
 
 def compiler_options(library: str | None) -> dict[str, str]:
