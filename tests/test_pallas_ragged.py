@@ -15,7 +15,6 @@ doubling the interpret-mode runs; and the reference on quantized pages against f
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import kernels_for_platform, select_attention_backend
 from pallas_kernels.blocked import ragged_paged_attention_blocked
+from pallas_kernels.dispatch import BLOCKED_MULTIPLY_SUM
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 from pallas_kernels import ragged_gpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
@@ -101,8 +101,7 @@ IMPLEMENTATIONS = {
     "pallas-triton": interpreted(ragged_paged_attention_gpu),
     "pallas-mosaic": interpreted(ragged_paged_attention_tpu),
     "blocked": ragged_paged_attention_blocked,
-    # What step programs with Eigen dots use (pallas_kernels/dispatch.py, BLOCKED_MULTIPLY_SUM).
-    "blocked-multiply-sum": functools.partial(ragged_paged_attention_blocked, decode_products="multiply_sum"),
+    "blocked-multiply-sum": BLOCKED_MULTIPLY_SUM.ragged,  # what step programs with Eigen dots use
 }
 
 

@@ -64,5 +64,6 @@ def compiler_options(library: str | None) -> dict[str, str]:
     return dict(EIGEN_DOTS) if library == "eigen" else {}
 
 
-def describe(library: str | None) -> str:
-    return {"eigen": "Eigen (YNNPACK for reductions)", "ynnpack": "YNNPACK"}.get(library, "the backend's")
+def describe(library: str) -> str:
+    """The resolved library as the startup log names it."""
+    return {"eigen": "Eigen (YNNPACK for reductions)", "ynnpack": "YNNPACK"}[library]
