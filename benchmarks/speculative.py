@@ -2,10 +2,13 @@
 at concurrency 1, 4 and 16 on two workloads, acceptance per draft position beside each figure, and the cost
 of a (K+1)-token step against a 1-token step at batch 1.
 
-1. Workloads. `grounded`: prompts whose answers reuse spans of the prompt (a story told twice and begun a
-   third time, so the model's continuation retraces it: what prompt lookup is for). `random`: random token
-   prompts, as `../shared/peers/side_by_side.sh` sends. Each request asks for `--max-tokens` greedy tokens
-   with `ignore_eos`.
+1. Workloads. `grounded`: a story told twice and begun a third time (stories260K's own continuation leaves
+   the story after a few words, so prompt lookup finds its next tokens in about one step of eight).
+   `retold`: the model's own greedy story from an opening, then the opening again: the answer is in the
+   prompt, as in a request to quote, summarise or edit a text (what prompt lookup is for). `random`: random
+   token prompts, as `../shared/peers/side_by_side.sh` sends. Each request asks for `--max-tokens` greedy
+   tokens with `ignore_eos`. `--write-prompts FILE` writes one workload's prompts as token ids in `jaxserve
+   bench serve`'s jsonl format and exits (`benchmarks/speculative_vs_llama_cpp.sh` serves them).
 2. For each configuration (`off`, `ngram`, and `draft` when `--draft-model` is given) one engine is built
    and warmed up; each concurrency runs `--requests` requests (at most that many at once: max_num_seqs =
    the concurrency) and is timed from the first add to the last token. The greedy outputs of every
@@ -15,6 +18,7 @@ of a (K+1)-token step against a 1-token step at batch 1.
 Prints one JSON line per measurement and a markdown table at the end.
 
     ./dev run python benchmarks/speculative.py --model ../shared/models/stories260K [--draft-model DIR]
+    ./dev run python benchmarks/speculative.py --model DIR --write-prompts retold.jsonl --workload retold
 """
 
 from __future__ import annotations
@@ -33,19 +37,24 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
          "she saw a big, red ball. She wanted to play with it, but it was too high.")
 
 
-def workload(llm: LLM, kind: str, count: int, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+WORKLOADS = ("grounded", "retold", "random")
+
+
+def workload(llm: LLM, kind: str, count: int, prompt_tokens: int, max_tokens: int = 64,
+             seed: int = 0) -> list[list[int]]:
+    """`count` prompts (token ids) of one workload (see the module's docstring)."""
     tokenizer = llm.get_tokenizer()
     rng = random.Random(seed)
     vocab = llm.engine.model_config.vocab_size
-    prompts = []
-    for i in range(count):
-        if kind == "grounded":
-            words = STORY.split()
-            cut = rng.randint(3, len(words) // 2)
-            prompts.append(tokenizer.encode(f"{STORY} {STORY} " + " ".join(words[:cut])))
-        else:
-            prompts.append([1] + [rng.randrange(3, vocab) for _ in range(prompt_tokens - 1)])
-    return prompts
+    if kind == "random":
+        return [[1] + [rng.randrange(3, vocab) for _ in range(prompt_tokens - 1)] for _ in range(count)]
+    words = STORY.split()
+    cuts = [" ".join(words[:rng.randint(3, len(words) // 2)]) for _ in range(count)]
+    if kind == "grounded":
+        return [tokenizer.encode(f"{STORY} {STORY} {cut}") for cut in cuts]
+    openings = [tokenizer.encode(cut) for cut in cuts]
+    told = llm.generate(openings, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [o + list(t.outputs[0].token_ids) + o[1:] for o, t in zip(openings, told)]  # o[1:]: no second BOS
 
 
 def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -80,6 +89,14 @@ def step_cost(llm: LLM, k: int, repeats: int) -> float:
     return median(k + 1) / median(1)
 
 
+def write_prompts(llm: LLM, path: str, kind: str, count: int, prompt_tokens: int, max_tokens: int) -> None:
+    """The workload's prompts, one `{"prompt": [ids], "max_tokens": n}` a line (`jaxserve bench serve
+    --dataset-name jsonl`), for a served comparison on the same token ids."""
+    with open(path, "w") as f:
+        for prompt in workload(llm, kind, count, prompt_tokens, max_tokens):
+            f.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -90,7 +107,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="random workload's prompt length")
     ap.add_argument("--step-repeats", type=int, default=30)
+    ap.add_argument("--workload", choices=WORKLOADS, default=None, help="run (or write) this workload only")
+    ap.add_argument("--write-prompts", default=None, metavar="FILE",
+                    help="write --workload's prompts (--requests of them) as jsonl token ids and exit")
     args = ap.parse_args()
+    kinds = [args.workload] if args.workload else list(WORKLOADS)
+    if args.write_prompts:
+        # Two step programs will do: the prompts are made once, not timed.
+        llm = LLM(args.model, max_num_seqs=16, max_num_batched_tokens=256, token_buckets=(16, 256))
+        write_prompts(llm, args.write_prompts, kinds[0], args.requests, args.prompt_tokens, args.max_tokens)
+        return 0
     levels = [int(c) for c in args.concurrency.split(",")]
     configs = {"off": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
@@ -102,8 +128,8 @@ def main() -> int:
         for concurrency in levels:
             llm = LLM(args.model, max_num_seqs=concurrency, speculative_config=spec,
                       max_num_batched_tokens=max(64, concurrency * (args.k + 1)))
-            for kind in ("grounded", "random"):
-                prompts = workload(llm, kind, max(args.requests, concurrency), args.prompt_tokens)
+            for kind in kinds:
+                prompts = workload(llm, kind, max(args.requests, concurrency), args.prompt_tokens, args.max_tokens)
                 stats = llm.engine.stats
                 before = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens,
                           list(stats.spec_accepted_per_pos))

@@ -310,13 +310,17 @@ class SpeculativeConfig:
     `ngram` drafts by prompt lookup: the longest n-gram (prompt_lookup_max down to prompt_lookup_min tokens)
     that ends the sequence and occurred earlier in it proposes the tokens that followed it. `draft_model`
     drafts with a smaller model of the same vocabulary, run on the device. Each step a sequence verifies up
-    to `num_speculative_tokens` drafts; above `disable_by_batch_size` running sequences nobody drafts."""
+    to `num_speculative_tokens` drafts; above `disable_by_batch_size` running sequences nobody drafts.
+    `adaptive_drafting` (jaxserve's own key, default on) pauses drafting while plain steps measure faster
+    under the load being served (`jaxserve/speculative/payoff.py`); off, every draft found is verified, as
+    in vLLM."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None  # the draft model's directory (draft_model)
     disable_by_batch_size: int | None = None
+    adaptive_drafting: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -338,6 +342,8 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config: the ngram method takes no model")
         elif self.model is None:
             raise ValueError("speculative_config: the draft_model method needs a model directory")
+        if not isinstance(self.adaptive_drafting, bool):
+            raise ValueError(f"speculative_config adaptive_drafting must be true or false, got {self.adaptive_drafting!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 

@@ -76,3 +76,24 @@ def test_structured_masking_benchmark_runs_on_stories260k(capsys):
     assert details["json_valid"] == details["json_total"] == 4  # every constrained output is JSON
     assert "| unconstrained |" in out and "| JSON Schema |" in out
     assert "Reproduce: ./dev run python benchmarks/structured_masking.py --model" in out
+
+
+def test_speculative_benchmark_s_retold_prompts_hold_the_model_s_own_answer(stories_llm, tmp_path):
+    """`retold`: an opening, the model's greedy continuation of it, then the opening again without a second
+    BOS, so the answer prompt lookup should find is in the prompt; written as the jsonl token ids that
+    `jaxserve bench serve` sends (benchmarks/speculative_vs_llama_cpp.sh)."""
+    from jaxserve import SamplingParams
+    from jaxserve.bench.datasets import jsonl_requests
+
+    bench = load("speculative")
+    path = tmp_path / "retold.jsonl"
+    bench.write_prompts(stories_llm, str(path), "retold", count=3, prompt_tokens=64, max_tokens=12)
+    requests = jsonl_requests(str(path), None, output_len=64)
+    assert len(requests) == 3 and all(r.output_len == 12 for r in requests)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for r in requests:
+        opening_len = (len(r.prompt) - 12 + 1) // 2  # prompt = opening + 12 told + opening[1:]
+        opening, told = r.prompt[:opening_len], r.prompt[opening_len:opening_len + 12]
+        again = r.prompt[opening_len + 12:]
+        assert opening[0] == 1 and 1 not in again and again == opening[1:]
+        assert told == list(stories_llm.generate([opening], greedy)[0].outputs[0].token_ids)

@@ -17,7 +17,9 @@ from safetensors.numpy import load_file, save_file
 from jaxserve import LLM, SamplingParams
 from tests.page_checks import assert_pages_released
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Drafting on every step (no adaptive pause), so each test meets drafts whatever this machine measures.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "adaptive_drafting": False}
 SHAPES = dict(max_num_seqs=8, max_num_batched_tokens=32, token_buckets=(8, 32))
 
 # Prompts whose continuations reuse spans of them (n-gram drafts get accepted), and ones that do not.
@@ -52,7 +54,8 @@ def truncated_draft(stories_dir: Path, out: Path, layers: int) -> Path:
 def drafted(stories_dir, tmp_path_factory):
     draft = truncated_draft(stories_dir, tmp_path_factory.mktemp("draft") / "stories-3-layers", 3)
     return LLM(str(stories_dir), speculative_config={"method": "draft_model", "model": str(draft),
-                                                     "num_speculative_tokens": 3}, **SHAPES)
+                                                     "num_speculative_tokens": 3, "adaptive_drafting": False},
+               **SHAPES)
 
 
 def ids(outputs):
@@ -163,3 +166,18 @@ def test_sampled_tokens_keep_the_target_distribution(plain, drafted):
     z = 3.09
     bound = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     assert dof >= 5 and stat < bound, (stat, dof, bound)
+
+
+def test_adaptive_drafting_measures_both_kinds_of_step_and_keeps_the_tokens(stories_dir, plain):
+    """The default: `DraftingPayoff` times windows with and without drafts while the engine serves; whichever
+    kind it picks, greedy tokens are plain decoding's (its logic is tested with a scripted clock in
+    tests/test_drafting_payoff.py)."""
+    adaptive = LLM(str(stories_dir), speculative_config={k: v for k, v in SPEC.items() if k != "adaptive_drafting"},
+                   **SHAPES)
+    payoff = adaptive.engine.speculator.payoff
+    greedy = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    assert ids(adaptive.generate(PROMPTS, greedy)) == ids(plain.generate(PROMPTS, greedy))
+    # six sequences: width 4; a drafting window, then a plain one (the first probe), at least
+    assert payoff.windows[4] >= 2 and payoff.rates[(4, True)] > 0 and payoff.rates[(4, False)] > 0
+    assert adaptive.engine.compilations_since_warmup == 0
+    assert_pages_released(adaptive.engine.scheduler)

@@ -255,6 +255,7 @@ class Engine(PoolingRequests, StepTiming):
         self._in_flight = launched
         if speculator is not None:  # while the device runs the step
             speculator.prepare(self.scheduler.running)
+            speculator.record_step(self.stats, len(self.scheduler.running))
             speculator.log_if_due(self.stats)
         return outputs
 

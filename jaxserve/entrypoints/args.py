@@ -86,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
-                        '"num_speculative_tokens": 4}; optional "disable_by_batch_size": N')
+                        '"num_speculative_tokens": 4}; optional "disable_by_batch_size": N, "adaptive_drafting": false')
     add_parallel_args(parser)
     add_lora_args(parser)
 

@@ -29,5 +29,6 @@ def build_speculator(config: SpeculativeConfig | None, built, runner, scheduler)
         detail = f"draft model {proposer.name}"
     logger.info("speculative decoding: %s, %d draft tokens per step, %s", config.method,
                 config.num_speculative_tokens, detail +
-                (f", off above {config.disable_by_batch_size} running sequences" if config.disable_by_batch_size else ""))
+                (f", off above {config.disable_by_batch_size} running sequences" if config.disable_by_batch_size else "")
+                + (", paused while plain steps measure faster" if config.adaptive_drafting else ""))
     return Speculator(config, proposer)

@@ -11,6 +11,9 @@
    `PAYOFF_TOKENS` per verification (random text under prompt lookup) is not waited for during the next
    `RETRY_STEPS` steps: reading the step in flight first idles the device for the host's planning, which
    only pays off when drafts stand.
+4. `record_step()` after each step feeds `DraftingPayoff` (`payoff.py`; `adaptive_drafting`, on by default),
+   which measures whether drafting makes this engine faster under the load it serves and pauses it, for
+   everybody, while plain steps are.
 A sequence may speculate only where verification draws exactly what a plain step would: no grammar
 (its masks follow each token), no presence, frequency or repetition penalty (their counts follow each
 token), and no `min_tokens` still suppressing EOS (its mask follows the count). Such a sequence proposes
@@ -25,6 +28,7 @@ from typing import Sequence
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.scheduling.request import Request
+from jaxserve.speculative.payoff import DraftingPayoff
 from jaxserve.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -55,10 +59,16 @@ class Speculator:
         self._benched_until: dict[int, int] = {}  # key -> the proposal count when it may be waited for again
         self._logged_at = time.monotonic()
         self._logged_counts = (0, 0, 0)
+        self.payoff = DraftingPayoff() if config.adaptive_drafting else None
 
     def enabled_for(self, running: int) -> bool:
         limit = self.config.disable_by_batch_size
-        return limit is None or running < limit
+        return (limit is None or running < limit) and (self.payoff is None or self.payoff.allows_drafting())
+
+    def record_step(self, stats, running: int) -> None:
+        """After each engine step (`stats`: the engine's `EngineStats`; `running`: sequences it served)."""
+        if self.payoff is not None:
+            self.payoff.record_step(stats.generation_tokens, running)
 
     def candidates(self, requests: Sequence[Request]) -> list[Request]:
         if not self.enabled_for(len(requests)):
