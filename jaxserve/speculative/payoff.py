@@ -70,12 +70,14 @@ class DraftingPayoff:
         self._seq_steps += running
         self._last = now
         if self._steps >= self.window_steps:
-            self._close(generated_tokens, now)
+            self._close(generated_tokens)
+
+    def _restart_count(self, generated_tokens: int) -> None:
+        self._steps, self._seq_steps, self._seconds, self._tokens_at = 0, 0, 0.0, generated_tokens
 
     def _open(self, width: int | None, generated_tokens: int, now: float) -> None:
         self._width = width
-        self._steps, self._seq_steps, self._seconds = 0, 0, 0.0
-        self._tokens_at = generated_tokens
+        self._restart_count(generated_tokens)
         self._last = None if width is None else now
         if width is not None:
             self.drafting = self._kind_for(width)
@@ -84,14 +86,14 @@ class DraftingPayoff:
         probe = self.windows[width] % self.probe_every == 1
         return self.prefer_drafting.get(width, True) != probe
 
-    def _close(self, generated_tokens: int, now: float) -> None:
+    def _close(self, generated_tokens: int) -> None:
         width, kind = self._width, self.drafting
         rate = (generated_tokens - self._tokens_at) / max(self._seconds, 1e-9) / (self._seq_steps / self._steps)
         old = self.rates.get((width, kind))
         self.rates[(width, kind)] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
         self.windows[width] += 1
         self._decide(width)
-        self._steps, self._seq_steps, self._seconds, self._tokens_at = 0, 0, 0.0, generated_tokens
+        self._restart_count(generated_tokens)
         next_kind = self._kind_for(width)
         if next_kind != kind:  # the next step, the other kind's first, only anchors the count
             self.drafting, self._last = next_kind, None
