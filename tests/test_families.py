@@ -116,9 +116,10 @@ def test_moe_configs():
 
 
 @pytest.mark.parametrize("method, tile", [("tiled", None), ("tiled", 1), ("tiled", 4), ("tiled", 32),
-                                          ("ragged_dot", None)])
+                                          ("tiled", 128), ("ragged_dot", None)])
 def test_grouped_ffn_matches_each_expert_applied_alone(method, tile):
-    """Segments of every size: empty experts, one spanning several tiles, tiles shared by experts."""
+    """Segments of every size: empty experts, one spanning several tiles, tiles reaching into the next
+    expert's rows and past the last row, one tile taller than all the rows."""
     rng = np.random.default_rng(0)
     sizes = np.array([0, 5, 70, 1, 0, 33, 2, 9], np.int32)
     hidden, inter = 16, 8
@@ -133,8 +134,9 @@ def test_grouped_ffn_matches_each_expert_applied_alone(method, tile):
 
 
 def test_tile_rows_follow_the_rows_an_expert_gets():
-    assert [tile_rows(a, 64) for a in (8, 128, 256, 512, 4096)] == [1, 2, 4, 8, 32]  # top 8: 1 to 512 tokens
-    assert tile_rows(120, 8) == 16 and tile_rows(1, 8) == 1
+    # top 8 of 64: one row per tile up to 8 tokens, then twice the average segment (1 to 512 tokens)
+    assert [tile_rows(a, 64) for a in (8, 64, 128, 256, 512, 4096)] == [1, 1, 4, 8, 16, 32]
+    assert tile_rows(120, 8) == 32 and tile_rows(1, 8) == 1 and tile_rows(24, 8) == 8
 
 
 def test_routed_ffn_weights_and_adds_back_each_tokens_experts():

@@ -6,8 +6,8 @@ A step's cost follows its active experts, not all of them:
 2. group: the N * k (token, expert) assignments sorted by expert, the tokens' rows gathered in that
    order, so each expert's rows are one contiguous segment (`group_sizes`);
 3. the experts' gated MLP over each segment with that expert's weights (`grouped_ffn`: `ragged_dot` on
-   TPU and GPU, a loop over (row tile, expert) pairs that visits only non-empty segments on CPU, whose
-   `ragged_dot` is a dense product over every expert — docs/models.md has the measurement);
+   TPU and GPU; on CPU, whose `ragged_dot` is a dense product over every expert, a loop over tiles laid
+   from each non-empty segment's start — docs/models.md has the measurements);
 4. combine: every assignment's output times its routing weight, added back to its token's row.
 Under tensor parallelism each device holds a slice of every expert's intermediate size: partial sums,
 one all-reduce, as for the dense MLP. Which layers are sparse is per-layer data (`sparse_layers`).
@@ -95,12 +95,16 @@ def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | Non
 
 
 def tile_rows(assignments: int, experts: int) -> int:
-    """The CPU loop's tile for a step of `assignments` rows over `experts`: the rows an expert gets on
-    average, rounded up to a power of two, at most TILE_ROWS. A tile multiplies all its rows with one
-    expert's weights, so tiles much taller than a segment multiply padding: a decode step of 16 tokens,
-    top 8 of 64 experts, has about two rows per expert, and 32-row tiles did 16 times the work."""
+    """The CPU loop's rows per tile for a step of `assignments` rows over `experts`. Each tile multiplies
+    its rows with one expert's weights, which XLA:CPU first copies out of the stack, so a step costs
+    about a weight copy and a product per tile: fewer tiles is what counts, padded rows are cheap.
+    While experts get a row or less on average (a decode step of up to E / k tokens), one row per tile;
+    above that, twice the average rounded up to a power of two (at most TILE_ROWS), so that most experts'
+    segments fit one tile: 16 decode tokens, top 8 of 64 experts, average 2, tiles of 4."""
+    if assignments <= experts:
+        return 1
     per_expert = -(-assignments // experts)
-    return min(TILE_ROWS, 1 << (per_expert - 1).bit_length())
+    return min(TILE_ROWS, 2 << (per_expert - 1).bit_length())
 
 
 def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None = None,
@@ -119,30 +123,29 @@ def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None
 
 
 def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.Array:
-    """The grouped MLP as a loop over (row tile, expert) pairs whose segments overlap: at most
-    tiles + experts - 1 pairs, and only the non-empty ones run, so a decode step reads the weights of
-    the experts its tokens chose and nothing else."""
+    """The grouped MLP as a loop over tiles of `tile` rows laid from each expert's segment start: an
+    expert of s rows takes ceil(s / tile) tiles and an empty one none, so a decode step reads the weights
+    of the experts its tokens chose and nothing else, each once when its segment fits a tile. (Tiles on
+    a fixed grid straddle segment boundaries: about twice as many tiles, each a copy of an expert's
+    weights, at a few rows per expert; docs/models.md has the measurement.)"""
     a, hidden = rows.shape
     tile = min(tile, a)
-    tiles = -(-a // tile)
-    rows = jnp.pad(rows, ((0, tiles * tile - a), (0, 0)))
+    rows = jnp.pad(rows, ((0, tile), (0, 0)))  # the last tile of the last segment reads past row a - 1
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    first_tile = starts // tile
-    pairs = jnp.where(group_sizes > 0, (ends - 1) // tile - first_tile + 1, 0)
-    pair_end = jnp.cumsum(pairs)
+    tiles = (group_sizes + tile - 1) // tile
+    tiles_end = jnp.cumsum(tiles)
 
-    def pair(p, out):
-        g = jnp.searchsorted(pair_end, p, side="right")  # the expert of pair p
-        t = first_tile[g] + p - (pair_end[g] - pairs[g])
-        block = jax.lax.dynamic_slice_in_dim(rows, t * tile, tile)
+    def run_tile(p, out):
+        g = jnp.searchsorted(tiles_end, p, side="right")  # the expert of tile p
+        first = starts[g] + (p - (tiles_end[g] - tiles[g])) * tile
+        block = jax.lax.dynamic_slice_in_dim(rows, first, tile)
         y = (act(block @ w_gate[g]) * (block @ w_up[g])) @ w_down[g]
-        row = t * tile + jnp.arange(tile)
-        mine = ((row >= starts[g]) & (row < ends[g]))[:, None]
-        kept = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y.astype(out.dtype), kept), t * tile, 0)
+        mine = (first + jnp.arange(tile) < ends[g])[:, None]  # rows past the segment are the next expert's
+        kept = jax.lax.dynamic_slice_in_dim(out, first, tile)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y.astype(out.dtype), kept), first, 0)
 
-    out = jax.lax.fori_loop(0, pair_end[-1], pair, jnp.zeros((tiles * tile, hidden), rows.dtype))
+    out = jax.lax.fori_loop(0, tiles_end[-1], run_tile, jnp.zeros((a + tile, hidden), rows.dtype))
     return out[:a]
 
 
