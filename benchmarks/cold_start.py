@@ -10,11 +10,15 @@ two starts from the model converted once by `jaxserve convert --format mapped` (
 64-byte aligned, used in place from the page cache): the counterpart of llama-server's GGUF file.
 Checkpoint files are read right before each start, so every server loads from the page cache.
 
+With `--quantization int8` every jaxserve start asks for int8 linear layers: quantized at each load from
+the Hugging Face directory, or stored so by `jaxserve convert --quantization int8` in the mapped copy;
+pass llama.cpp's Q8_0 file as `--gguf` for the matching llama-server.
+
 The default model is the random 1.1B Llama (Llama-3.2-1B shape, vocab 32000, float32, 4.4 GB in three
 shards), built on first use with the peers kit (`make_llama110m.py --size 1b`, then its GGUF with
 `convert_models.sh`). Needs `../shared/peers/setup.sh` to have run once.
 
-    ./dev run python benchmarks/cold_start.py [--model DIR --gguf FILE] [--repeats 2]
+    ./dev run python benchmarks/cold_start.py [--model DIR --gguf FILE] [--repeats 2] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -53,14 +57,16 @@ def ensure_model(model: Path, gguf: Path) -> None:
                        env=dict(os.environ, PEERS_ROOT=str(PEERS_ROOT), PY=str(python)))
 
 
-def ensure_mapped(model: Path) -> Path:
-    """The model converted to jaxserve's mapped format, beside it (built once, like the GGUF)."""
-    mapped = model.with_name(model.name + "-mapped")
+def ensure_mapped(model: Path, quantization: str | None = None) -> Path:
+    """The model converted to jaxserve's mapped format (its linear layers quantized as asked), beside it
+    (built once, like the GGUF)."""
+    mapped = model.with_name(model.name + "-mapped" + (f"-{quantization}" if quantization else ""))
     if not (mapped / "jaxserve_checkpoint.json").is_file():
         shutil.rmtree(mapped, ignore_errors=True)
         print(f"converting {model} to {mapped} (jaxserve convert --format mapped)", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "jaxserve", "convert", "--model", str(model), "--output",
-                        str(mapped), "--format", "mapped", "--dtype", "float32"], check=True,
+                        str(mapped), "--format", "mapped", "--dtype", "float32",
+                        *(["--quantization", quantization] if quantization else [])], check=True,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     return mapped
 
@@ -172,11 +178,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per start here")
     ap.add_argument("--no-mapped", dest="mapped", action="store_false",
                     help="skip the starts from the model converted to the mapped format")
+    ap.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                    help="int8 / fp8 linear layers: quantized at load from --model, stored so in the mapped copy")
     args = ap.parse_args()
 
     if args.model == DEFAULT_MODEL or args.gguf == DEFAULT_GGUF:
         ensure_model(args.model, args.gguf)
-    sources = {"jaxserve": args.model} | ({"jaxserve mapped": ensure_mapped(args.model)} if args.mapped else {})
+    sources = {"jaxserve": args.model} | ({"jaxserve mapped": ensure_mapped(args.model, args.quantization)}
+                                          if args.mapped else {})
     logs = Path(tempfile.mkdtemp(prefix="cold_start-"))
     threads = str(os.cpu_count())
     llama = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(args.port),
@@ -192,7 +201,8 @@ def main() -> None:
             cache = Path(tempfile.mkdtemp(prefix="xla-cache-"))
             jaxserve = [sys.executable, "-m", "jaxserve", "serve", "--model", str(model), "--served-model-name",
                         args.model.name, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
-                        str(args.max_model_len), "--port", str(args.port), "--compilation-cache-dir", str(cache)]
+                        str(args.max_model_len), "--port", str(args.port), "--compilation-cache-dir", str(cache),
+                        *(["--quantization", args.quantization] if args.quantization and model == args.model else [])]
             for kind in (f"{source} first start", f"{source} restart"):
                 log = logs / f"{kind.replace(' ', '-')}-{round_}.log"
                 row = measure_start(kind, jaxserve, args.port, log, args.model.name,
@@ -210,7 +220,8 @@ def main() -> None:
         return values[len(values) // 2] if values else float("nan")
 
     base = median("llama-server", "ready_s")
-    print(f"\n{args.model.name}, --max-num-seqs {args.max_num_seqs} --max-model-len {args.max_model_len}, "
+    print(f"\n{args.model.name}{f', {args.quantization} linear layers' if args.quantization else ''}, "
+          f"--max-num-seqs {args.max_num_seqs} --max-model-len {args.max_model_len}, "
           f"{os.cpu_count()} cores, median of {args.repeats} round(s); logs in {logs}")
     print("\n| | /health 200 (s) | x llama-server | all programs (s) | peak RSS starting (GB) | RSS serving (GB) "
           "| peak / serving | weights GB/s | programs (cache hits) |")

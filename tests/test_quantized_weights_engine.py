@@ -4,13 +4,16 @@
    logits within the format's tolerance: the dequantized float32 model's logits within 1e-4 where the
    weights run weight-only (int4, and fp8 on a CPU), and the activation-quantized logits within the
    README's RMS / max bands where they run dynamic int8 (W8A8 on a CPU).
+   Converted (`jaxserve convert`, mapped and Orbax) they serve the same logits; an int8 conversion of
+   stories260K is read in place and serves what quantizing at load serves.
 2. A format jaxserve cannot read is refused by name at start; `--quantization` that disagrees with the
    checkpoint is an error naming both.
 3. stories260K with int8 weights quantized at load keeps float32's next-token argmax on >= 99% of 2,000
    positions of text it samples itself, and its perplexity on its own story rises by <= 1% (weight-only;
    the CPU's default dynamic int8, which quantizes activations too, is held to 97.5% and 1%);
    `benchmarks/quantized_accuracy.py` measures both, for the 124.7M model too.
-4. Tensor parallelism on two fake devices: codes and scales sharded by the rules, the story kept.
+4. Two fake devices: tensor parallelism (codes and scales sharded by the rules, the story kept, from the
+   Hugging Face checkpoint and from an int8 Orbax conversion) and two pipeline stages (the same tokens).
 """
 
 from __future__ import annotations
@@ -59,9 +62,27 @@ def served_copy(name: str, tmp_path: Path, config_edit=None) -> Path:
 
 @pytest.mark.parametrize("name, key, strategy, max_tol, rms_tol", CASES)
 def test_pre_quantized_fixture_matches_its_golden_logits(name, key, strategy, max_tol, rms_tol, tmp_path):
+    _check_golden(served_copy(name, tmp_path), name, key, strategy, max_tol, rms_tol)
+
+
+# Each 4-bit layout (int4 without zeros, uint4 with) and each 8-bit one, in one of the two formats each.
+CONVERTED = [("gptq_int4", "orbax"), ("awq_int4", "mapped"), ("ct_fp8", "mapped"), ("ct_int8_w8a8", "orbax")]
+
+
+@pytest.mark.parametrize("name, fmt", CONVERTED)
+def test_converted_pre_quantized_fixture_matches_its_golden_logits(name, fmt, tmp_path):
+    """`jaxserve convert` stores the layers as they run (4-bit codes one per byte); the converted directory
+    serves the same logits, within the same tolerance, as the Hugging Face one."""
+    from jaxserve.loader.convert import convert
+    case = next(c for c in CASES if c[0] == name)
+    out = convert(served_copy(name, tmp_path), tmp_path / f"{name}-{fmt}", format=fmt)
+    _check_golden(out, *case)
+
+
+def _check_golden(model_dir: Path, name, key, strategy, max_tol, rms_tol):
     golden = np.load(FIXTURES / name / "golden.npz")
     ids = golden["input_ids"].tolist()
-    llm = LLM(str(served_copy(name, tmp_path)), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    llm = LLM(str(model_dir), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
     spec = llm.engine.model_config.linear_quantization
     assert spec is not None and spec.strategy == strategy
     precision = llm.engine.precision
@@ -94,11 +115,59 @@ def test_dtype_warnings_say_what_differs_from_what_was_asked():
     assert dtype_warnings("auto", "fp8", fp8, np.float32, "gpu") == []
 
 
-def test_convert_refuses_a_pre_quantized_checkpoint(tmp_path):
-    from jaxserve.loader.convert import convert
-    with pytest.raises(ValueError, match="pre-quantized checkpoint .*AutoAWQ"):
-        convert(FIXTURES / "awq_int4", tmp_path / "out", format="mapped")
-    assert not (tmp_path / "out").exists()
+def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_serves(stories_dir, tmp_path):
+    """`jaxserve convert --quantization int8`: the mapped file holds the codes and scales, a start uses them
+    where they lie (nothing quantized, nothing copied on CPU), and serves the tokens that quantizing the
+    Hugging Face checkpoint at load serves; what the stored layers cannot be is refused by name."""
+    import jax
+    import jax.numpy as jnp
+    from jaxserve import SamplingParams
+    from jaxserve.config import ModelConfig
+    from jaxserve.entrypoints.cli import main as cli_main
+    from jaxserve.loader.load import load_sharded, load_weights
+    from jaxserve.loader.quantized import quantized_loading
+    from jaxserve.loader.safetensors import SafetensorsReader, read_header
+    from sharding import ParallelConfig, make_plan
+
+    mapped = tmp_path / "int8-mapped"
+    assert cli_main(["convert", "--model", str(stories_dir), "--output", str(mapped), "--format", "mapped",
+                     "--quantization", "int8"]) == 0
+    tensors = read_header(mapped / "model.safetensors")[1]
+    assert tensors["layers.0.mlp.down_proj.codes"] == {**tensors["layers.0.mlp.down_proj.codes"], "dtype": "I8",
+                                                       "shape": [172, 64]}
+    assert tensors["layers.0.mlp.down_proj.scales"]["shape"] == [1, 64]
+    assert tensors["embed_tokens.embedding"]["dtype"] == "F32"  # embeddings and norms stay float
+
+    config = ModelConfig.from_pretrained(stories_dir)
+    plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads)
+    stored = load_sharded(mapped, config, jnp.float32, plan)
+    assert stored.config.linear_quantization.codes == "int8"
+    at_load = load_weights(*quantized_loading(SafetensorsReader(stories_dir), config, "int8"), jnp.float32, plan)
+    a, b = (dict(jax.tree_util.tree_leaves_with_path(m.params)) for m in (stored, at_load))
+    assert a.keys() == b.keys()
+    for path in a:
+        np.testing.assert_array_equal(np.asarray(a[path]), np.asarray(b[path]), err_msg=str(path))
+    from tests.test_mapped_checkpoint import _mapped_ranges
+    ranges = _mapped_ranges(mapped / "model.safetensors")
+    for path, leaf in a.items():
+        pointer = leaf.addressable_shards[0].data.unsafe_buffer_pointer()
+        assert any(begin <= pointer < end for begin, end in ranges), path
+
+    params = SamplingParams(temperature=0, max_tokens=32)
+    served = LLM(str(mapped), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    assert (served.engine.precision.linear_codes, served.engine.precision.linear_strategy) == ("int8", "dynamic_int8")
+    reference = LLM(str(stories_dir), quantization="int8", max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    assert (served.generate(["Once upon a time"], params)[0].outputs[0].token_ids ==
+            reference.generate(["Once upon a time"], params)[0].outputs[0].token_ids)
+
+    with pytest.raises(ValueError, match="--quantization fp8 disagrees with the converted checkpoint.*int8"):
+        LLM(str(mapped), quantization="fp8", max_num_seqs=1, token_buckets=(64,))
+    with pytest.raises(ValueError, match="--quantize-lm-head: this converted checkpoint stores a float LM head"):
+        LLM(str(mapped), quantize_lm_head=True, max_num_seqs=1, token_buckets=(64,))
+    with pytest.raises(ValueError, match="already a converted checkpoint"):
+        from jaxserve.loader.convert import convert
+        convert(mapped, tmp_path / "again", format="mapped")
 
 
 def test_unsupported_format_is_refused_by_name(tmp_path):
@@ -134,14 +203,18 @@ import json, sys
 from flax import nnx
 from jaxserve import LLM, SamplingParams
 result = {}
-for tp in (1, 2):
-    llm = LLM(sys.argv[1], quantization="int8", kv_cache_dtype="int8", tensor_parallel_size=tp, max_num_seqs=2,
-              max_model_len=64, token_buckets=(16,))  # one program: it decodes a single sequence
+# The Hugging Face checkpoint quantized at load on one device, split over two (tensor parallel, then two
+# pipeline stages), and its int8 Orbax conversion restored onto two (each device reading its slices).
+for name, model, quantization, tp, pp in (("1", sys.argv[1], "int8", 1, 1), ("2", sys.argv[1], "int8", 2, 1),
+                                          ("pp2", sys.argv[1], "int8", 1, 2), ("orbax2", sys.argv[2], None, 2, 1)):
+    llm = LLM(model, quantization=quantization, kv_cache_dtype="int8", tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, max_num_seqs=2, max_model_len=64,
+              token_buckets=(16,))  # one program: it decodes a single sequence
     params = nnx.to_pure_dict(llm.engine.runner.params)
     q = params["layers"][0]["self_attn"]["q_proj"]
     down = params["layers"][0]["mlp"]["down_proj"]
     out = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
-    result[tp] = {"tokens": list(out.token_ids), "compiled": llm.engine.compilations_since_warmup,
+    result[name] = {"tokens": list(out.token_ids), "compiled": llm.engine.compilations_since_warmup,
                   "q_codes": str(q["codes"].sharding.spec), "q_scales": str(q["scales"].sharding.spec),
                   "down_codes": str(down["codes"].sharding.spec), "down_scales": str(down["scales"].sharding.spec),
                   "kv_scales": str(llm.engine.runner.kv_cache.k[0].scales.sharding.spec)}
@@ -149,19 +222,26 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def test_tensor_parallel_int8_weights_and_pages_on_two_fake_devices(stories_dir):
+def test_tensor_parallel_int8_weights_and_pages_on_two_fake_devices(stories_dir, tmp_path):
     """Codes and scales follow the partition rules (row-parallel per-channel scales replicated), each shard
-    quantizes its own activations, and the greedy story survives the split."""
+    quantizes its own activations, and the greedy story survives the split; two pipeline stages keep the
+    one-device tokens exactly; an int8 Orbax conversion restores onto the two devices as quantizing at
+    load places them."""
     import os
     import subprocess
     import sys
+    from jaxserve.loader.convert import convert
+    orbax = convert(stories_dir, tmp_path / "int8-orbax", format="orbax", quantization="int8")
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(stories_dir)], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(stories_dir), str(orbax)], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    one, two = result["1"], result["2"]
-    assert one["compiled"] == two["compiled"] == 0
+    one, two, restored = result["1"], result["2"], result["orbax2"]
+    assert one["compiled"] == two["compiled"] == restored["compiled"] == 0
+    assert restored == two  # the same codes on the same shards: the same tokens
+    assert result["pp2"]["compiled"] == 0
+    assert result["pp2"]["tokens"] == one["tokens"]  # stages split layers, not products: nothing rounds apart
     assert "tensor" in two["q_codes"] and "tensor" in two["q_scales"]  # column-parallel: split on out
     assert "tensor" in two["down_codes"] and "tensor" not in two["down_scales"]  # row-parallel: one block
     assert "tensor" in two["kv_scales"]  # split over KV heads with their pages

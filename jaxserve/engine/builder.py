@@ -31,7 +31,7 @@ from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel, scan_layers
-from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading
+from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
@@ -106,7 +106,8 @@ def build_model(args: EngineArgs) -> BuiltModel:
                          f"model's vocabulary of {config.vocab_size}")
     reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
     reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
-                                       args.quantization_strategy, args.quantize_lm_head)
+                                       args.quantization_strategy, args.quantize_lm_head,
+                                       stored_quantization(args.model))
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
         logger.warning("%s", warning)
     model = load_weights(reader, config, dtype, plan)

@@ -52,7 +52,8 @@ def _convert(ns: argparse.Namespace) -> int:
     from sharding.multihost import initialize
     initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
     parallel = ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.enable_expert_parallel)
-    convert(ns.model, ns.output, ns.dtype, parallel, format=ns.format)
+    convert(ns.model, ns.output, ns.dtype, parallel, format=ns.format, quantization=ns.quantization,
+            quantize_lm_head=ns.quantize_lm_head)
     sys.stdout.write(f"{ns.output}\n")
     return 0
 
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "copy at all)")
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                       help="stored precision (auto: the checkpoint's own)")
+    conv.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                      help="store the linear layers quantized per output channel, as --quantization does at "
+                           "every load (a pre-quantized checkpoint is stored as it is quantized, without this)")
+    conv.add_argument("--quantize-lm-head", action="store_true",
+                      help="with --quantization: the LM head quantized as well")
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
 

@@ -6,6 +6,10 @@
    place (`mapped.py`); written by one process.
 3. Either way the tokenizer and config files are copied beside the weights and the directory is marked
    with its format (`formats.py`), last, so a half-written directory is never taken for a checkpoint.
+4. Quantized linear layers are stored as they run, in either format: quantized here (`quantization`, as
+   `--quantization` would at every load) or read from a pre-quantized checkpoint (compressed-tensors, AWQ,
+   GPTQ). The marker says how (`quantized.stored_quantization`), so a start reads codes and scales as
+   they lie and quantizes nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.dtypes import DTYPES
-from jaxserve.loader.formats import mark_converted
+from jaxserve.loader.formats import checkpoint_format, mark_converted
 from jaxserve.loader.mapped import write_mapped
 from jaxserve.loader.orbax import PARAMS_DIR, save_orbax
-from jaxserve.loader.placement import param_entries
-from jaxserve.loader.quantized import checkpoint_quantization
+from jaxserve.loader.placement import param_entries, param_specs
+from jaxserve.loader.quantized import (checkpoint_quantization, describe_stored, made_for_float_activations,
+                                       quantized_loading)
 from jaxserve.loader.safetensors import SafetensorsReader
 from sharding import ParallelConfig, make_plan
 
@@ -30,13 +35,13 @@ logger = logging.getLogger(__name__)
 
 
 def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "auto",
-            parallel: ParallelConfig | None = None, format: str = "orbax") -> Path:
-    """Hugging Face directory -> an Orbax or a mapped checkpoint directory (see the module docstring)."""
+            parallel: ParallelConfig | None = None, format: str = "orbax", quantization: str | None = None,
+            quantize_lm_head: bool = False) -> Path:
+    """Hugging Face directory -> an Orbax or a mapped checkpoint directory (see the module docstring).
+    `quantization` / `quantize_lm_head`: as `--quantization` / `--quantize-lm-head` at a load."""
+    if checkpoint_format(model_dir):
+        raise ValueError(f"{model_dir} is already a converted checkpoint: convert from the Hugging Face directory")
     config = ModelConfig.from_pretrained(model_dir)
-    quantized = checkpoint_quantization(model_dir)
-    if quantized is not None:  # its codes would be read as float weights, without their scales
-        raise ValueError(f"{model_dir} is a pre-quantized checkpoint ({quantized.summary}): the converted formats "
-                         f"do not store quantized tensors yet; serve the Hugging Face directory itself")
     # Keep the checkpoint's own precision unless asked otherwise (`auto` here does not mean "f32 on CPU").
     name = str(config.torch_dtype).removeprefix("torch.") if dtype_request == "auto" else dtype_request
     if name not in DTYPES:
@@ -45,20 +50,27 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         raise ValueError(f"format must be orbax or mapped; got {format!r}")
     if format == "mapped" and jax.process_count() > 1:
         raise ValueError("--format mapped is written by one process: run convert on one host")
+    ckpt = checkpoint_quantization(model_dir)
+    reader, config = quantized_loading(SafetensorsReader(model_dir), config, quantization, ckpt,
+                                       lm_head=quantize_lm_head)
+    spec = config.linear_quantization
     output = _new_dir(output)
+    marker = {"format": format, "dtype": jnp.dtype(DTYPES[name]).name}
+    if spec is not None:
+        marker["linear_quantization"] = describe_stored(spec, made_for_float_activations(ckpt))
     if format == "mapped":
-        count = write_mapped(model_dir, output, DTYPES[name])
-        mark_converted(model_dir, output, {"format": "mapped", "dtype": jnp.dtype(DTYPES[name]).name})
+        count = write_mapped(reader, param_specs(config, DTYPES[name]), output)
+        mark_converted(model_dir, output, marker)
     else:
         plan = make_plan(parallel or ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                          num_kv_heads=config.num_kv_heads)
         entries = param_entries(config, DTYPES[name], plan, pad=False)
-        save_orbax(SafetensorsReader(model_dir).read(entries), output)
+        save_orbax(reader.read(entries), output)
         count = len(entries)
         if jax.process_index() == 0:
-            mark_converted(model_dir, output, {"format": "orbax", "params": PARAMS_DIR,
-                                               "dtype": jnp.dtype(DTYPES[name]).name})
-    logger.info("wrote %s checkpoint %s (%d tensors, %s) from %s", format, output, count, name, model_dir)
+            mark_converted(model_dir, output, {**marker, "params": PARAMS_DIR})
+    logger.info("wrote %s checkpoint %s (%d tensors, %s%s) from %s", format, output, count, name,
+                f", linear layers {spec.codes}" if spec else "", model_dir)
     return output
 
 

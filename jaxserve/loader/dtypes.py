@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# 4-bit codes are stored one per byte by the converted formats (safetensors has no 4-bit type, Orbax's
+# TensorStore no uint4) and narrowed again as they are read.
+STORED_AS = {np.dtype(jnp.int4): np.dtype(np.int8), np.dtype(jnp.uint4): np.dtype(np.uint8)}
+
+
+def stored_dtype(dtype) -> np.dtype:
+    """The dtype a converted checkpoint stores a parameter of `dtype` in."""
+    return STORED_AS.get(np.dtype(dtype), np.dtype(dtype))
 
 
 def resolve_dtype(requested: str, config: ModelConfig, platform: str | None = None):

@@ -22,12 +22,17 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
           "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "vocab.json", "merges.txt")
 
 
+def checkpoint_marker(model_dir: str | Path) -> dict:
+    """What `convert` recorded of a directory it wrote (format, dtype, quantized layers); {} for a Hugging
+    Face directory."""
+    marker = Path(model_dir) / MARKER
+    return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
 def checkpoint_format(model_dir: str | Path) -> str | None:
     """"orbax" or "mapped" for a directory `convert` wrote; None for a Hugging Face one."""
-    marker = Path(model_dir) / MARKER
-    if not marker.is_file():
-        return None
-    return json.loads(marker.read_text()).get("format", "orbax")
+    marker = checkpoint_marker(model_dir)
+    return marker.get("format", "orbax") if marker else None
 
 
 def open_checkpoint(model_dir: str | Path) -> OrbaxReader | SafetensorsReader:

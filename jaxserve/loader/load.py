@@ -20,6 +20,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.placement import ModuleReader, ShardedModel, assemble, param_entries
+from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
 from sharding import ParallelConfig, make_plan
 from sharding.mesh import MeshPlan
 
@@ -39,8 +40,11 @@ def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedM
 
 
 def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
-    """Any supported checkpoint directory onto the mesh of `plan`, each device reading its shards."""
-    return load_weights(open_checkpoint(model_dir), config, dtype, plan)
+    """Any supported checkpoint directory onto the mesh of `plan`, each device reading its shards; quantized
+    linear layers as the checkpoint stores them (the returned model's config says how)."""
+    reader, config = quantized_loading(open_checkpoint(model_dir), config, None, checkpoint_quantization(model_dir),
+                                       stored=stored_quantization(model_dir))
+    return load_weights(reader, config, dtype, plan)
 
 
 def shard_module(module: nnx.Module, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 
+from jaxserve.loader.dtypes import stored_dtype
 from jaxserve.loader.placement import ParamEntry
 from jaxserve.loader.tree import ParamPath, get_path, nested
 
@@ -25,7 +26,8 @@ PARAMS_DIR = "params"
 def save_orbax(arrays: dict[ParamPath, jax.Array], output: Path) -> None:
     import orbax.checkpoint as ocp
 
-    ocp.PyTreeCheckpointer().save(output / PARAMS_DIR, nested(arrays))
+    stored = {path: a.astype(stored_dtype(a.dtype)) for path, a in arrays.items()}
+    ocp.PyTreeCheckpointer().save(output / PARAMS_DIR, nested(stored))
 
 
 class OrbaxReader:
@@ -54,6 +56,6 @@ class OrbaxReader:
                 raise ValueError(f"checkpoint parameter {'/'.join(e.path)} has shape {shape}, the config implies "
                                  f"{e.layout.shape}")
             args[e.path] = ocp.ArrayRestoreArgs(sharding=e.sharding, global_shape=e.layout.padded, strict=False,
-                                                dtype=e.dtype)
+                                                dtype=stored_dtype(e.dtype))
         restored = checkpointer.restore(params_dir, args=ocp.args.PyTreeRestore(restore_args=nested(args)))
-        return {e.path: get_path(restored, e.path) for e in entries}
+        return {e.path: get_path(restored, e.path).astype(e.dtype) for e in entries}

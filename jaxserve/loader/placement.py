@@ -105,11 +105,15 @@ class RegionReader:
     def in_place(self, path: ParamPath, dtype) -> InPlace | None:
         return None
 
+    def expect(self, shapes: dict[ParamPath, tuple[int, ...]]) -> None:
+        """Told every parameter's shape before any is read (for a reader that makes several from one)."""
+
     def close(self) -> None:
         pass
 
     def read(self, entries: list[ParamEntry]) -> dict[ParamPath, jax.Array]:
         """Every entry's array on its sharding; the reader is closed afterwards."""
+        self.expect({e.path: tuple(e.layout.shape) for e in entries})
         def load(e: ParamEntry) -> jax.Array:
             fill = self.reader(e.path, e.layout.shape)
             return array_from_reader(e.layout.shape, e.layout.padded, e.sharding, e.dtype, fill,

@@ -10,6 +10,9 @@
    quantizing the float kernel per output channel or by the checkpoint format's `read_linear`, and
    handed out region by region like any tensor (each device reads its own slice). Every other
    parameter (embeddings, norms, LM head, biases) goes to the wrapped reader as before.
+3. A converted checkpoint (`jaxserve convert --quantization`) stores the layers as they run: codes, scales
+   and zeros by parameter path, described in its marker (`stored_quantization`). It is read like any other
+   parameter, in place where the format allows; only the strategy is chosen again, for this backend.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.loader.formats import checkpoint_format, checkpoint_marker
 from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
 from jaxserve.loader.tree import ParamPath
@@ -38,8 +42,9 @@ QUANTIZED_PARTS = ("codes", "scales", "zeros")
 
 
 def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantization | None:
-    """The quantization a Hugging Face directory's config.json declares (None: float weights)."""
-    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+    """The quantization a Hugging Face directory's config.json declares (None: float weights, or a converted
+    checkpoint, whose copied config.json describes its source: see `stored_quantization`)."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file() or checkpoint_format(model_dir):
         return None
     return detect_checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()), model_dir)
 
@@ -60,6 +65,28 @@ def _checkpoint_block(ckpt: CheckpointQuantization) -> int | None:
     return None if group in (None, -1) else int(group)
 
 
+# What a converted checkpoint's marker records of its linear layers: how they are stored, not how they run.
+STORED_FIELDS = ("codes", "block_size", "lm_head", "source")
+
+
+def stored_quantization(model_dir: str | Path | None) -> dict | None:
+    """How a converted checkpoint stores its linear layers ({codes, block_size, lm_head, source,
+    float_activations}, from its marker); None for float layers or a Hugging Face directory."""
+    if model_dir is None or not checkpoint_format(model_dir):
+        return None
+    return checkpoint_marker(model_dir).get("linear_quantization")
+
+
+def describe_stored(spec: LinearQuantization, float_activations: bool) -> dict:
+    """The marker entry for linear layers stored as `spec` (`stored_quantization` reads it back)."""
+    return {**{name: getattr(spec, name) for name in STORED_FIELDS}, "float_activations": float_activations}
+
+
+def made_for_float_activations(ckpt: CheckpointQuantization | None) -> bool:
+    """A checkpoint quantized for float activations (compressed-tensors W8A16): served weight-only."""
+    return ckpt is not None and ckpt.method == "compressed-tensors" and ckpt.activation_dtype is None
+
+
 def choose_strategy(codes: str, platform: str, weights_only_checkpoint: bool = False) -> tuple[str, int]:
     """(strategy, min_rows) for linear layers of `codes` on `platform` (docs/quantization.md): a checkpoint
     made for float activations (W8A16) keeps them; one-row integer batches on CPU are padded to two."""
@@ -70,11 +97,13 @@ def choose_strategy(codes: str, platform: str, weights_only_checkpoint: bool = F
 
 
 def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | None,
-                        platform: str | None = None, strategy: str | None = None) -> LinearQuantization | None:
+                        platform: str | None = None, strategy: str | None = None,
+                        stored: dict | None = None) -> LinearQuantization | None:
     """What the linear layers become. `requested`: `--quantization` (None: follow the checkpoint);
-    `strategy`: `--quantization-strategy` (None: the backend's choice)."""
+    `strategy`: `--quantization-strategy` (None: the backend's choice); `stored`: a converted checkpoint's
+    quantized layers (`stored_quantization`)."""
     platform = (platform or jax.default_backend()).lower()
-    spec = _linear_quantization(requested, ckpt, platform)
+    spec = _linear_quantization(requested, ckpt, platform, stored)
     if spec is None or strategy is None:
         return spec
     if strategy == "dynamic_int8" and spec.codes == "fp8" or strategy == "dynamic_fp8" and spec.codes != "fp8":
@@ -83,15 +112,23 @@ def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | No
     return dataclasses.replace(spec, strategy=strategy, min_rows=min_rows)
 
 
-def _linear_quantization(requested, ckpt, platform) -> LinearQuantization | None:
+def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuantization | None:
+    if stored is not None:
+        codes = stored["codes"]
+        if requested is not None and requested != codes:
+            raise ValueError(f"--quantization {requested} disagrees with the converted checkpoint, which stores "
+                             f"{codes} linear layers ({stored['source']}): leave --quantization out to serve "
+                             f"it as stored, or convert the Hugging Face checkpoint again")
+        strategy, min_rows = choose_strategy(codes, platform, stored["float_activations"])
+        return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
+                                  lm_head=stored["lm_head"])
     if ckpt is not None:
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
                              f"as {ckpt.summary} ({ckpt.weight_dtype} weights): leave --quantization out to "
                              f"serve it as stored")
         codes = _checkpoint_codes(ckpt)
-        strategy, min_rows = choose_strategy(codes, platform, ckpt.method == "compressed-tensors"
-                                             and ckpt.activation_dtype is None)
+        strategy, min_rows = choose_strategy(codes, platform, made_for_float_activations(ckpt))
         return LinearQuantization(codes, _checkpoint_block(ckpt), strategy, min_rows, source=ckpt.summary)
     if requested in (None, "none"):
         return None
@@ -101,25 +138,31 @@ def _linear_quantization(requested, ckpt, platform) -> LinearQuantization | None
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
                       ckpt: CheckpointQuantization | None = None, strategy: str | None = None,
-                      lm_head: bool = False):
+                      lm_head: bool = False, stored: dict | None = None):
     """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
     unchanged for float linear layers, else the config says how and the reader makes the layers.
-    `lm_head` (`--quantize-lm-head`): the LM head too, quantized at load like the layers."""
-    spec = linear_quantization(requested, ckpt, strategy=strategy)
-    if lm_head:
-        spec = _with_lm_head(spec, ckpt, config)
+    `lm_head` (`--quantize-lm-head`): the LM head too, quantized at load like the layers. `stored`: the
+    layers of a converted checkpoint, already quantized (`stored_quantization`): `reader` reads them."""
+    spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
+    if lm_head and not (stored and stored["lm_head"]):
+        spec = _with_lm_head(spec, ckpt, config, stored)
     if spec is None:
         return reader, config
     logger.info("linear layers%s: %s codes %s (%s), run %s%s", " and the LM head" if spec.lm_head else "",
                 spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
                 spec.source, spec.strategy.replace("_", " "),
                 f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
-    return QuantizedLinearReader(reader, spec, ckpt), dataclasses.replace(config, linear_quantization=spec)
+    if stored is None:
+        reader = QuantizedLinearReader(reader, spec, ckpt)
+    return reader, dataclasses.replace(config, linear_quantization=spec)
 
 
 def _with_lm_head(spec: LinearQuantization | None, ckpt: CheckpointQuantization | None,
-                  config: ModelConfig) -> LinearQuantization:
+                  config: ModelConfig, stored: dict | None = None) -> LinearQuantization:
     """`spec` with the LM head quantized at load too, or a ValueError saying why that cannot be."""
+    if stored is not None:
+        raise ValueError("--quantize-lm-head: this converted checkpoint stores a float LM head; convert the "
+                         "Hugging Face checkpoint again with --quantize-lm-head")
     if ckpt is not None:
         raise ValueError(f"--quantize-lm-head quantizes a float checkpoint at load; this one is quantized as "
                          f"{ckpt.summary} and its LM head is served as stored")
@@ -198,10 +241,9 @@ class QuantizedLinearReader(RegionReader):
                     self._layers.pop(prefix, None)
         return weight
 
-    def read(self, entries):
+    def expect(self, shapes):
         # The [in, out] shape of every quantized layer, whichever of its parts a loader thread asks first.
-        self._codes_shapes = {tuple(e.path[:-1]): tuple(e.layout.shape) for e in entries if e.path[-1] == "codes"}
-        return super().read(entries)
+        self._codes_shapes = {tuple(path[:-1]): shape for path, shape in shapes.items() if path[-1] == "codes"}
 
     def reader(self, path: ParamPath, shape: tuple[int, ...]):
         if path[-1] not in QUANTIZED_PARTS:
