@@ -13,7 +13,8 @@
    the CPU's default dynamic int8, which quantizes activations too, is held to 97.5% and 1%);
    `benchmarks/quantized_accuracy.py` measures both, for the 124.7M model too.
 4. Two fake devices: tensor parallelism (codes and scales sharded by the rules, the story kept, from the
-   Hugging Face checkpoint and from an int8 Orbax conversion) and two pipeline stages (the same tokens).
+   Hugging Face checkpoint and from an int8 Orbax conversion), two pipeline stages (the same tokens), and
+   int4 group scales split with their rows (golden logits kept).
 """
 
 from __future__ import annotations
@@ -248,3 +249,44 @@ def test_tensor_parallel_int8_weights_and_pages_on_two_fake_devices(stories_dir,
     # Per-token activation scales differ between a whole row and its two halves, so late tokens may
     # differ; the story's opening must not.
     assert two["tokens"][:16] == one["tokens"][:16], (one["tokens"], two["tokens"])
+
+
+GROUPS_TP_SCRIPT = """
+import json, sys
+import numpy as np
+from flax import nnx
+from jaxserve import LLM
+from jaxserve.entrypoints.research import Workbench
+result = {}
+for model, golden in zip(sys.argv[1::2], sys.argv[2::2]):
+    golden = np.load(golden)
+    llm = LLM(model, tensor_parallel_size=2, max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    down = nnx.to_pure_dict(llm.engine.runner.params)["layers"][0]["mlp"]["down_proj"]
+    bench = Workbench(llm)
+    logits = bench.step([(bench.new_sequence(64), golden["input_ids"].tolist())]).logits[0]
+    result[model] = {"max_diff": float(np.abs(logits - golden["logits"]).max()),
+                     **{part: str(down[part].sharding.spec) for part in ("codes", "scales", "zeros")}}
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_int4_group_scales_split_with_their_rows_under_tensor_parallelism(tmp_path):
+    """A row-parallel layer's input rows are split over the devices, and with them its groups of 32 or 64
+    rows: each device holds the scales and zero points of its own rows, and the dequantized model's
+    golden logits hold within 1e-4 (AWQ groups of 32: two per device in the down projection; GPTQ
+    asymmetric groups of 64: one per device)."""
+    import os
+    import subprocess
+    import sys
+    args = [str(a) for name in ("awq_int4", "gptq_int4_asym")
+            for a in (served_copy(name, tmp_path), FIXTURES / name / "golden.npz")]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", GROUPS_TP_SCRIPT, *args], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(result) == 2
+    for model, r in result.items():
+        assert r["max_diff"] <= 1e-4, (model, r)
+        for part in ("codes", "scales", "zeros"):  # split on the input (row, group) axis, not the output one
+            assert "tensor" in r[part] and r[part].endswith(", None)"), (model, part, r[part])
