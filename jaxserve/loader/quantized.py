@@ -126,7 +126,7 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
                              f"as {ckpt.summary} ({ckpt.weight_dtype} weights): leave --quantization out to "
-                             f"serve it as stored")
+                             f"use it as stored")
         codes = _checkpoint_codes(ckpt)
         strategy, min_rows = choose_strategy(codes, platform, made_for_float_activations(ckpt))
         return LinearQuantization(codes, _checkpoint_block(ckpt), strategy, min_rows, source=ckpt.summary)
