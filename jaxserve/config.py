@@ -32,8 +32,8 @@ LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 
 
 @dataclasses.dataclass(frozen=True)
 class LinearQuantization:
-    """How the decoder layers' linear layers are stored and run (embeddings and norms stay float, and the LM
-    head unless `lm_head`).
+    """How the decoder layers' linear layers are stored and run (norms stay float, and the LM head and the
+    token embedding unless `lm_head` / `embedding`).
 
     Part of `ModelConfig`, so the model's graph, the step programs and their cache key all follow it."""
     codes: str  # one of LINEAR_CODE_DTYPES
@@ -44,6 +44,7 @@ class LinearQuantization:
     act_block: int | None = None
     source: str = "quantized at load"  # where the codes come from, for the log: or the checkpoint's format
     lm_head: bool = False  # the (untied) LM head quantized too, as llama.cpp's Q8_0 files store it
+    embedding: bool = False  # the (untied) token embedding too, one scale per token row, as Q8_0 files store it
 
     def __post_init__(self):
         if self.codes not in LINEAR_CODE_DTYPES:
@@ -54,6 +55,12 @@ class LinearQuantization:
     @property
     def has_zeros(self) -> bool:
         return self.codes == "uint4"
+
+    @property
+    def quantized_parts(self) -> str:
+        """What is quantized, for the log: "linear layers", "linear layers, LM head and token embedding"."""
+        parts = ["linear layers"] + ["LM head"] * self.lm_head + ["token embedding"] * self.embedding
+        return " and ".join(parts) if len(parts) < 3 else f"{parts[0]}, {parts[1]} and {parts[2]}"
 
 
 @dataclasses.dataclass(frozen=True)

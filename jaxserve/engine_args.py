@@ -43,6 +43,7 @@ class EngineArgs:
     # float activations (more accurate, slow on CPU), "dynamic_int8" / "dynamic_fp8" quantize them per token.
     quantization_strategy: str | None = None
     quantize_lm_head: bool = False  # with --quantization: the (untied) LM head too, as llama.cpp's Q8_0 does
+    quantize_embedding: bool = False  # with --quantization: the (untied) token embedding too, per token row
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 2048
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt

@@ -34,7 +34,7 @@ from sharding.mesh import PIPELINE, TENSOR, TP_AXES
 # Parameter path ("layers/3/self_attn/q_proj/kernel") pattern -> logical axis of each dimension.
 # Kernels are [in, out] (Flax layout); the embedding is [vocab, hidden].
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"^embed_tokens/embedding$", ("vocab", None)),
+    (r"^embed_tokens/(embedding|codes|scales)$", ("vocab", None)),  # --quantize-embedding: per-row scales
     (r"^lm_head/(kernel|codes|scales)$", (None, "vocab")),  # --quantize-lm-head: per-channel scales
     (r"/self_attn/q_proj/(kernel|codes|scales|zeros)$", (None, "heads")),
     (r"/self_attn/q_proj/bias$", ("heads",)),

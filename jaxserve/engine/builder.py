@@ -107,7 +107,7 @@ def build_model(args: EngineArgs) -> BuiltModel:
     reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
     reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
                                        args.quantization_strategy, args.quantize_lm_head,
-                                       stored_quantization(args.model))
+                                       stored_quantization(args.model), args.quantize_embedding)
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
         logger.warning("%s", warning)
     model = load_weights(reader, config, dtype, plan)
@@ -122,7 +122,8 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
     """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
     shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
     reader, config = quantized_loading(ModuleReader(module), config, args.quantization,
-                                       strategy=args.quantization_strategy, lm_head=args.quantize_lm_head)
+                                       strategy=args.quantization_strategy, lm_head=args.quantize_lm_head,
+                                       embedding=args.quantize_embedding)
     model = load_weights(reader, config, dtype, _mesh_plan(args, config))
     return _finish_build(args, name, model, config, tokenizer, dtype)
 

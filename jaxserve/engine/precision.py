@@ -29,7 +29,7 @@ class Precision:
     kv_cache_bytes: int  # pages and scales, every layer
     kv_token_bytes: int  # one token's K and V in every layer, scales included
     attention: str  # the attention backend's name
-    lm_head_quantized: bool = False  # --quantize-lm-head
+    quantized_parts: str | None = None  # "linear layers", "... and LM head" (--quantize-lm-head), ...
 
     @classmethod
     def of(cls, config: ModelConfig, dtype, params, kv_cache, kv_token_bytes: int, attention: str) -> "Precision":
@@ -39,11 +39,10 @@ class Precision:
                    weight_bytes=sum(device_bytes(a) for a in jax.tree.leaves(params)),
                    kv_cache=jnp.dtype(kv_cache.page_dtype).name, kv_cache_bytes=kv_cache.num_bytes,
                    kv_token_bytes=kv_token_bytes, attention=attention,
-                   lm_head_quantized=bool(spec and spec.lm_head))
+                   quantized_parts=spec and spec.quantized_parts)
 
     def describe(self) -> str:
-        quantized = "linear layers and LM head" if self.lm_head_quantized else "linear layers"
-        linear = (f"{quantized} {self.linear_codes} ({self.linear_source}, run {self.linear_strategy}), "
+        linear = (f"{self.quantized_parts} {self.linear_codes} ({self.linear_source}, run {self.linear_strategy}), "
                   f"the rest {self.weights}" if self.linear_codes else self.weights)
         return (f"precision: weights {linear}, {self.weight_bytes / 1e6:.1f} MB; KV cache {self.kv_cache} "
                 f"({self.kv_token_bytes} bytes a token), {self.kv_cache_bytes / 1e6:.1f} MB; attention "

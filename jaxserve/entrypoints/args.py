@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="with --quantization: quantize the LM head as well (an untied one), as llama.cpp's Q8_0 "
                         "files do: a quarter of its memory and bandwidth, logits a little less exact")
+    g.add_argument("--quantize-embedding", action="store_true",
+                   help="with --quantization: store the token embedding (an untied one) as codes with one scale "
+                        "per token, as llama.cpp's Q8_0 files do: a quarter of its float32 memory; each step "
+                        "looks up its rows and scales them")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV page precision: 'auto' keeps the model's dtype; 'int8' and 'fp8' (e4m3) store codes "
                         "with a float32 scale per token and KV head (3.8x the tokens of float32 pages in the "

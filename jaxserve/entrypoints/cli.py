@@ -53,7 +53,7 @@ def _convert(ns: argparse.Namespace) -> int:
     initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
     parallel = ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.enable_expert_parallel)
     convert(ns.model, ns.output, ns.dtype, parallel, format=ns.format, quantization=ns.quantization,
-            quantize_lm_head=ns.quantize_lm_head)
+            quantize_lm_head=ns.quantize_lm_head, quantize_embedding=ns.quantize_embedding)
     sys.stdout.write(f"{ns.output}\n")
     return 0
 
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "every load (a pre-quantized checkpoint is stored as it is quantized, without this)")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="with --quantization: the LM head quantized as well")
+    conv.add_argument("--quantize-embedding", action="store_true",
+                      help="with --quantization: the token embedding quantized as well (one scale per token)")
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
 

@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "auto",
             parallel: ParallelConfig | None = None, format: str = "orbax", quantization: str | None = None,
-            quantize_lm_head: bool = False) -> Path:
+            quantize_lm_head: bool = False, quantize_embedding: bool = False) -> Path:
     """Hugging Face directory -> an Orbax or a mapped checkpoint directory (see the module docstring).
-    `quantization` / `quantize_lm_head`: as `--quantization` / `--quantize-lm-head` at a load."""
+    `quantization`, `quantize_lm_head`, `quantize_embedding`: as the same flags at a load."""
     if checkpoint_format(model_dir):
         raise ValueError(f"{model_dir} is already a converted checkpoint: convert from the Hugging Face directory")
     config = ModelConfig.from_pretrained(model_dir)
@@ -52,7 +52,7 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         raise ValueError("--format mapped is written by one process: run convert on one host")
     ckpt = checkpoint_quantization(model_dir)
     reader, config = quantized_loading(SafetensorsReader(model_dir), config, quantization, ckpt,
-                                       lm_head=quantize_lm_head)
+                                       lm_head=quantize_lm_head, embedding=quantize_embedding)
     spec = config.linear_quantization
     output = _new_dir(output)
     marker = {"format": format, "dtype": jnp.dtype(DTYPES[name]).name}

@@ -8,8 +8,9 @@
    the loader plans from has `QuantizedLinear` layers, whose `codes`, `scales` and `zeros` entries
    `QuantizedLinearReader` fills: each linear layer's `QuantizedWeight` is made once on the host, by
    quantizing the float kernel per output channel or by the checkpoint format's `read_linear`, and
-   handed out region by region like any tensor (each device reads its own slice). Every other
-   parameter (embeddings, norms, LM head, biases) goes to the wrapped reader as before.
+   handed out region by region like any tensor (each device reads its own slice); the LM head and the
+   token embedding likewise when asked (the embedding per token row, `QuantizedEmbed`). Every other
+   parameter (norms, biases, float embeddings and head) goes to the wrapped reader as before.
 3. A converted checkpoint (`jaxserve convert --quantization`) stores the layers as they run: codes, scales
    and zeros by parameter path, described in its marker (`stored_quantization`). It is read like any other
    parameter, in place where the format allows; only the strategy is chosen again, for this backend.
@@ -39,6 +40,7 @@ from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq, dete
 logger = logging.getLogger(__name__)
 
 QUANTIZED_PARTS = ("codes", "scales", "zeros")
+EMBEDDING = ("embed_tokens",)  # quantized per row (`--quantize-embedding`); linear layers per output column
 
 
 def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantization | None:
@@ -66,11 +68,11 @@ def _checkpoint_block(ckpt: CheckpointQuantization) -> int | None:
 
 
 # What a converted checkpoint's marker records of its linear layers: how they are stored, not how they run.
-STORED_FIELDS = ("codes", "block_size", "lm_head", "source")
+STORED_FIELDS = ("codes", "block_size", "lm_head", "embedding", "source")
 
 
 def stored_quantization(model_dir: str | Path | None) -> dict | None:
-    """How a converted checkpoint stores its linear layers ({codes, block_size, lm_head, source,
+    """How a converted checkpoint stores its linear layers ({codes, block_size, lm_head, embedding, source,
     float_activations}, from its marker); None for float layers or a Hugging Face directory."""
     if model_dir is None or not checkpoint_format(model_dir):
         return None
@@ -121,7 +123,7 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
                              f"it as stored, or convert the Hugging Face checkpoint again")
         strategy, min_rows = choose_strategy(codes, platform, stored["float_activations"])
         return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
-                                  lm_head=stored["lm_head"])
+                                  lm_head=stored["lm_head"], embedding=stored["embedding"])
     if ckpt is not None:
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
@@ -138,18 +140,20 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
                       ckpt: CheckpointQuantization | None = None, strategy: str | None = None,
-                      lm_head: bool = False, stored: dict | None = None):
+                      lm_head: bool = False, stored: dict | None = None, embedding: bool = False):
     """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
     unchanged for float linear layers, else the config says how and the reader makes the layers.
-    `lm_head` (`--quantize-lm-head`): the LM head too, quantized at load like the layers. `stored`: the
-    layers of a converted checkpoint, already quantized (`stored_quantization`): `reader` reads them."""
+    `lm_head` (`--quantize-lm-head`) / `embedding` (`--quantize-embedding`): the LM head / the token
+    embedding too, quantized at load. `stored`: the layers of a converted checkpoint, already quantized
+    (`stored_quantization`): `reader` reads them."""
     spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
     if lm_head and not (stored and stored["lm_head"]):
-        spec = _with_lm_head(spec, ckpt, config, stored)
+        spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
+    if embedding and not (stored and stored["embedding"]):
+        spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
     if spec is None:
         return reader, config
-    logger.info("linear layers%s: %s codes %s (%s), run %s%s", " and the LM head" if spec.lm_head else "",
-                spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
+    logger.info("%s: %s codes %s (%s), run %s%s", spec.quantized_parts, spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
                 spec.source, spec.strategy.replace("_", " "),
                 f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
     if stored is None:
@@ -157,21 +161,25 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
     return reader, dataclasses.replace(config, linear_quantization=spec)
 
 
-def _with_lm_head(spec: LinearQuantization | None, ckpt: CheckpointQuantization | None,
-                  config: ModelConfig, stored: dict | None = None) -> LinearQuantization:
-    """`spec` with the LM head quantized at load too, or a ValueError saying why that cannot be."""
+def _with_part(flag: str, field: str, part: str, spec: LinearQuantization | None,
+               ckpt: CheckpointQuantization | None, config: ModelConfig, stored: dict | None) -> LinearQuantization:
+    """`spec` with the LM head or the token embedding (`field`) quantized at load too, or a ValueError
+    saying why that cannot be."""
     if stored is not None:
-        raise ValueError("--quantize-lm-head: this converted checkpoint stores a float LM head; convert the "
-                         "Hugging Face checkpoint again with --quantize-lm-head")
+        raise ValueError(f"{flag}: this converted checkpoint stores a float {part}; convert the Hugging Face "
+                         f"checkpoint again with {flag}")
     if ckpt is not None:
-        raise ValueError(f"--quantize-lm-head quantizes a float checkpoint at load; this one is quantized as "
-                         f"{ckpt.summary} and its LM head is served as stored")
+        raise ValueError(f"{flag} quantizes a float checkpoint at load; this one is quantized as "
+                         f"{ckpt.summary} and its {part} is served as stored")
     if spec is None:
-        raise ValueError("--quantize-lm-head needs --quantization (int8, fp8 or int4)")
-    if config.tie_word_embeddings or not config.has_lm_head:
+        raise ValueError(f"{flag} needs --quantization (int8 or fp8)")
+    if field == "lm_head" and (config.tie_word_embeddings or not config.has_lm_head):
         raise ValueError("--quantize-lm-head: this model has no LM head of its own (it reuses the embedding "
                          "matrix, or has no head at all)")
-    return dataclasses.replace(spec, lm_head=True)
+    if field == "embedding" and config.tie_word_embeddings:
+        raise ValueError("--quantize-embedding: this model's embedding is its LM head too (tied), and a "
+                         "quantized table is only looked up, not multiplied: serve the embedding in float")
+    return dataclasses.replace(spec, **{field: True})
 
 
 def _conform(qw: QuantizedWeight, spec: LinearQuantization, name: str) -> QuantizedWeight:
@@ -218,14 +226,20 @@ class QuantizedLinearReader(RegionReader):
         if self.ckpt is not None:
             name = hf_tensor_name(prefix + ("kernel",))[0].removesuffix(".weight")
             qw = _conform(self.ckpt.read_linear(name, self.base.tensor), self.spec, name)
+        elif prefix == EMBEDDING:  # [vocab, hidden], one scale per token row: its transpose's per-column scales
+            table = np.empty(shape, np.float32)
+            self.base.reader(prefix + ("embedding",), shape)(tuple(slice(0, n) for n in shape), table)
+            with jax.default_device(_host_device()):
+                qw = quantize_weight(table.T, self.spec.codes)
+                qw = QuantizedWeight(np.ascontiguousarray(np.asarray(qw.codes).T),
+                                     np.ascontiguousarray(np.asarray(qw.scales).T), None)
         else:
             kernel = np.empty(shape, np.float32)
             self.base.reader(prefix + ("kernel",), shape)(tuple(slice(0, n) for n in shape), kernel)
             with jax.default_device(_host_device()):
                 qw = jax.tree.map(np.asarray, quantize_weight(kernel, self.spec.codes, self.spec.block_size))
         if tuple(qw.codes.shape) != tuple(shape):
-            raise ValueError(f"{'/'.join(prefix)}: stored weight is {qw.codes.shape} ([in, out]), the config "
-                             f"implies {shape}")
+            raise ValueError(f"{'/'.join(prefix)}: stored weight is {qw.codes.shape}, the config implies {shape}")
         return qw
 
     def _weight(self, prefix: ParamPath, codes_shape: tuple[int, int]) -> QuantizedWeight:

@@ -20,14 +20,18 @@ from flax import nnx
 Axis = str | tuple[str, ...] | None
 
 
-def embed(module: nnx.Embed, tokens: jax.Array, axis: Axis) -> jax.Array:
+def embed(module: nnx.Module, tokens: jax.Array, axis: Axis) -> jax.Array:
+    """`module`: an `nnx.Embed`, or a `QuantizedEmbed` (codes and row scales, split over the vocabulary alike)."""
     if axis is None:
         return module(tokens)
-    (table,) = module.promote_dtype((module.embedding[...],), dtype=module.dtype, inexact=False)
-    rows = table.shape[0]
+    if hasattr(module, "lookup"):
+        rows, lookup = module.codes.shape[0], module.lookup
+    else:
+        (table,) = module.promote_dtype((module.embedding[...],), dtype=module.dtype, inexact=False)
+        rows, lookup = table.shape[0], lambda local_rows: jnp.take(table, local_rows, axis=0)
     local = tokens - jax.lax.axis_index(axis) * rows
     inside = (local >= 0) & (local < rows)
-    x = jnp.take(table, jnp.where(inside, local, 0), axis=0)
+    x = lookup(jnp.where(inside, local, 0))
     return jax.lax.psum(jnp.where(inside[..., None], x, jnp.zeros_like(x)), axis)
 
 

@@ -6,7 +6,8 @@
    chosen once at start for the backend and is part of the config, so of the program cache key.
 2. `quantize_linears(model, spec)` replaces every `nnx.Linear` inside the decoder layers by a
    `QuantizedLinear` of the same shape, after the model is built: the model families never see it, and
-   the embeddings and norms stay float (the LM head too, unless `--quantize-lm-head`). The loader fills
+   the norms stay float (the LM head and the token embedding too, unless `--quantize-lm-head` /
+   `--quantize-embedding`, the latter a `QuantizedEmbed` of codes and one scale per token row). The loader fills
    the parameters (`jaxserve/loader/quantized.py`): quantized from a float checkpoint, or read from a
    pre-quantized one.
 3. `project` is the product without the bias: under tensor parallelism a row-parallel layer's shards each
@@ -65,9 +66,27 @@ def activation_block(features: int, target: int | None) -> int | None:
     return max(fitting) if fitting else None
 
 
+class QuantizedEmbed(nnx.Module):
+    """The token embedding as `codes` [vocab, hidden] with one float32 scale per token row (`scales`
+    [vocab, 1]): a lookup gathers its rows' codes and scales, so the table is never dequantized whole."""
+
+    def __init__(self, num_embeddings: int, features: int, *, spec: LinearQuantization, dtype):
+        self.num_embeddings, self.features, self.dtype = num_embeddings, features, dtype
+        self.codes = nnx.Param(jnp.zeros((num_embeddings, features), CODE_DTYPES[spec.codes]))
+        self.scales = nnx.Param(jnp.zeros((num_embeddings, 1), jnp.float32))
+
+    def lookup(self, rows: jax.Array) -> jax.Array:
+        """The embedding of table rows `rows` (tokens, or a device's local rows under tensor parallelism)."""
+        codes = jnp.take(self.codes[...], rows, axis=0).astype(jnp.float32)
+        return (codes * jnp.take(self.scales[...], rows, axis=0)).astype(self.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.lookup(tokens)
+
+
 def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
-    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape, and the
-    LM head when `spec.lm_head`."""
+    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape, the LM
+    head when `spec.lm_head` and the token embedding by a `QuantizedEmbed` when `spec.embedding`."""
     def quantized(linear: nnx.Linear) -> QuantizedLinear:
         return QuantizedLinear(linear.in_features, linear.out_features, use_bias=linear.bias is not None,
                                spec=spec, dtype=linear.param_dtype)
@@ -83,4 +102,7 @@ def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
         swap(layer)
     if spec.lm_head:
         model.lm_head = quantized(model.lm_head)
+    if spec.embedding:
+        table = model.embed_tokens
+        model.embed_tokens = QuantizedEmbed(table.num_embeddings, table.features, spec=spec, dtype=table.dtype)
     return model
