@@ -51,14 +51,21 @@ def prompt_logits(llm: LLM) -> np.ndarray:
     return bench.step([(bench.new_sequence(len(ids)), ids)]).logits[0]
 
 
-def test_the_quantized_head_runs_its_codes(tmp_path, id_tokenizer):
+def three_engines(tmp_path: Path, id_tokenizer, flag: str, name: str) -> tuple[LLM, LLM, LLM]:
+    """int8 weight-only engines on the untied fixture: with `flag` (the tensor `name` [vocab, hidden]
+    quantized, one scale per vocabulary row), without it, and without it over a copy whose `name` is the
+    dequantized codes."""
     weight_only = dict(quantization="int8", quantization_strategy="weight_only", tokenizer=str(id_tokenizer),
                        **ENGINE)
-    quantized = LLM(str(UNTIED), quantize_lm_head=True, **weight_only)
-    float_head = LLM(str(UNTIED), **weight_only)
-    head = load_file(UNTIED / "model.safetensors")["lm_head.weight"]  # [vocab, hidden]
-    dequantized = np.asarray(dequantize_weight(quantize_weight(head.T.astype(np.float32), "int8"))).T
-    reference = LLM(str(with_head(tmp_path, dequantized)), **weight_only)
+    table = load_file(UNTIED / "model.safetensors")[name]
+    # One scale per vocabulary row: the per-column scales of the transposed table.
+    dequantized = np.asarray(dequantize_weight(quantize_weight(table.T.astype(np.float32), "int8"))).T
+    return (LLM(str(UNTIED), **{flag: True}, **weight_only), LLM(str(UNTIED), **weight_only),
+            LLM(str(with_head(tmp_path, dequantized, name)), **weight_only))
+
+
+def test_the_quantized_head_runs_its_codes(tmp_path, id_tokenizer):
+    quantized, float_head, reference = three_engines(tmp_path, id_tokenizer, "quantize_lm_head", "lm_head.weight")
 
     params = quantized.engine.runner.params["lm_head"]
     assert params["codes"][...].dtype == np.int8 and params["codes"][...].shape == (64, 256)
@@ -115,14 +122,8 @@ def test_refused_for_a_pre_quantized_checkpoint(flag, tmp_path):
 
 
 def test_the_quantized_embedding_looks_up_its_codes(tmp_path, id_tokenizer):
-    weight_only = dict(quantization="int8", quantization_strategy="weight_only", tokenizer=str(id_tokenizer),
-                       **ENGINE)
-    quantized = LLM(str(UNTIED), quantize_embedding=True, **weight_only)
-    float_table = LLM(str(UNTIED), **weight_only)
-    table = load_file(UNTIED / "model.safetensors")["model.embed_tokens.weight"]  # [vocab, hidden]
-    # One scale per token row: the per-column scales of the transposed table.
-    dequantized = np.asarray(dequantize_weight(quantize_weight(table.T.astype(np.float32), "int8"))).T
-    reference = LLM(str(with_head(tmp_path, dequantized, "model.embed_tokens.weight")), **weight_only)
+    quantized, float_table, reference = three_engines(tmp_path, id_tokenizer, "quantize_embedding",
+                                                      "model.embed_tokens.weight")
 
     params = quantized.engine.runner.params["embed_tokens"]
     assert params["codes"][...].dtype == np.int8 and params["codes"][...].shape == (256, 64)
