@@ -59,8 +59,9 @@ class LinearQuantization:
     @property
     def quantized_parts(self) -> str:
         """What is quantized, for the log: "linear layers", "linear layers, LM head and token embedding"."""
-        parts = ["linear layers"] + ["LM head"] * self.lm_head + ["token embedding"] * self.embedding
-        return " and ".join(parts) if len(parts) < 3 else f"{parts[0]}, {parts[1]} and {parts[2]}"
+        parts = ["linear layers", *(["LM head"] if self.lm_head else []),
+                 *(["token embedding"] if self.embedding else [])]
+        return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -123,7 +123,8 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
                              f"it as stored, or convert the Hugging Face checkpoint again")
         strategy, min_rows = choose_strategy(codes, platform, stored["float_activations"])
         return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
-                                  lm_head=stored["lm_head"], embedding=stored["embedding"])
+                                  # (markers written before --quantize-embedding lack its key)
+                                  lm_head=stored["lm_head"], embedding=stored.get("embedding", False))
     if ckpt is not None:
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
@@ -149,7 +150,7 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
     spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
     if lm_head and not (stored and stored["lm_head"]):
         spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
-    if embedding and not (stored and stored["embedding"]):
+    if embedding and not (stored and stored.get("embedding")):
         spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
     if spec is None:
         return reader, config
