@@ -64,5 +64,6 @@ def dtype_warnings(requested_dtype: str, requested_quantization: str | None, con
                         f"checkpoint is pre-quantized ({spec.source}), its linear layers stay {spec.codes}")
     if spec is not None and spec.codes == "fp8" and spec.strategy == "weight_only" and platform == "cpu":
         warnings.append("fp8 weights on a CPU run weight-only (no fp8 arithmetic; 0.15-0.5x float32 in "
-                        "docs/quantization.md): --quantization int8 is the fast option here")
+                        "docs/quantization.md): --quantization int8 is the fast option here (it re-quantizes "
+                        "an fp8 checkpoint's layers to int8 at load)")
     return warnings

@@ -27,7 +27,7 @@ from jaxserve.loader.mapped import write_mapped
 from jaxserve.loader.orbax import PARAMS_DIR, save_orbax
 from jaxserve.loader.placement import param_entries, param_specs
 from jaxserve.loader.quantized import (checkpoint_quantization, describe_stored, made_for_float_activations,
-                                       quantized_loading)
+                                       quantized_loading, requantizes)
 from jaxserve.loader.safetensors import SafetensorsReader
 from sharding import ParallelConfig, make_plan
 
@@ -57,7 +57,8 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
     output = _new_dir(output)
     marker = {"format": format, "dtype": jnp.dtype(DTYPES[name]).name}
     if spec is not None:
-        marker["linear_quantization"] = describe_stored(spec, made_for_float_activations(ckpt))
+        marker["linear_quantization"] = describe_stored(
+            spec, made_for_float_activations(ckpt) and not requantizes(quantization, ckpt))
     if format == "mapped":
         count = write_mapped(reader, param_specs(config, DTYPES[name]), output)
         mark_converted(model_dir, output, marker)

@@ -34,7 +34,7 @@ from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
 from jaxserve.loader.tree import ParamPath
 from jaxserve.model.quantized_linear import CODE_DTYPES
-from jaxserve.quantization import QuantizedWeight, default_strategy, quantize_weight
+from jaxserve.quantization import QuantizedWeight, default_strategy, dequantize_weight, quantize_weight
 from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq, detect_checkpoint_quantization
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,13 @@ def describe_stored(spec: LinearQuantization, float_activations: bool) -> dict:
     return {**{name: getattr(spec, name) for name in STORED_FIELDS}, "float_activations": float_activations}
 
 
+def requantizes(requested: str | None, ckpt: CheckpointQuantization | None) -> bool:
+    """`--quantization int8` on an fp8 checkpoint: its layers dequantized and quantized again to int8 per
+    output channel, because a CPU has no fp8 arithmetic and runs fp8 codes weight-only (0.15-0.5x float32)
+    while int8 runs its integer products (llama.cpp's quantize tool has --allow-requantize for the same)."""
+    return requested == "int8" and ckpt is not None and ckpt.weight_dtype == "fp8"
+
+
 def made_for_float_activations(ckpt: CheckpointQuantization | None) -> bool:
     """A checkpoint quantized for float activations (compressed-tensors W8A16): served weight-only."""
     return ckpt is not None and ckpt.method == "compressed-tensors" and ckpt.activation_dtype is None
@@ -125,11 +132,16 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
         return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
                                   # (markers written before --quantize-embedding lack its key)
                                   lm_head=stored["lm_head"], embedding=stored.get("embedding", False))
+    if ckpt is not None and requantizes(requested, ckpt):
+        strategy, min_rows = choose_strategy("int8", platform)
+        return LinearQuantization("int8", None, strategy, min_rows,
+                                  source=f"{ckpt.summary}, re-quantized to int8 at load")
     if ckpt is not None:
         if requested is not None and requested != ckpt.weight_dtype:
             raise ValueError(f"--quantization {requested} disagrees with the checkpoint, which is quantized "
                              f"as {ckpt.summary} ({ckpt.weight_dtype} weights): leave --quantization out to "
-                             f"use it as stored")
+                             f"use it as stored" + (" (only fp8 checkpoints can be re-quantized, to int8)"
+                                                    if requested == "int8" else ""))
         codes = _checkpoint_codes(ckpt)
         strategy, min_rows = choose_strategy(codes, platform, made_for_float_activations(ckpt))
         return LinearQuantization(codes, _checkpoint_block(ckpt), strategy, min_rows, source=ckpt.summary)
@@ -226,7 +238,11 @@ class QuantizedLinearReader(RegionReader):
     def _make(self, prefix: ParamPath, shape: tuple[int, int]) -> QuantizedWeight:
         if self.ckpt is not None:
             name = hf_tensor_name(prefix + ("kernel",))[0].removesuffix(".weight")
-            qw = _conform(self.ckpt.read_linear(name, self.base.tensor), self.spec, name)
+            qw = self.ckpt.read_linear(name, self.base.tensor)
+            if self.spec.codes != _checkpoint_codes(self.ckpt):  # re-quantized (`requantizes`)
+                with jax.default_device(_host_device()):
+                    qw = jax.tree.map(np.asarray, quantize_weight(dequantize_weight(qw), self.spec.codes))
+            qw = _conform(qw, self.spec, name)
         elif prefix == EMBEDDING:  # [vocab, hidden], one scale per token row: its transpose's per-column scales
             table = np.empty(shape, np.float32)
             self.base.reader(prefix + ("embedding",), shape)(tuple(slice(0, n) for n in shape), table)
