@@ -13,7 +13,13 @@ of a (K+1)-token step against a 1-token step at batch 1.
    and warmed up; each concurrency runs `--requests` requests (at most that many at once: max_num_seqs =
    the concurrency) and is timed from the first add to the last token. The greedy outputs of every
    speculative run are checked against `off`'s, token for token.
-3. Step cost: the runner runs one decode span of 1 token and one of K + 1 tokens (K drafts) for a single
+3. Beside each speculative figure, its ceiling: the speed-up over `off` if a verify step cost what a plain
+   step costs, i.e. output tokens over the steps left once the accepted drafts are taken out,
+   tokens / (tokens - accepted). A workload whose answers the proposer rarely finds in the text has a low
+   ceiling whatever the engine does; the measured figure over the ceiling is what drafting costs. Adaptive
+   drafting (the default) pauses where drafts don't pay, which lowers the ceiling with them; `--always-draft`
+   turns it off, so the ceiling is the workload's.
+4. Step cost: the runner runs one decode span of 1 token and one of K + 1 tokens (K drafts) for a single
    sequence, many times each; the ratio of the median times is printed.
 Prints one JSON line per measurement and a markdown table at the end.
 
@@ -107,6 +113,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="random workload's prompt length")
     ap.add_argument("--step-repeats", type=int, default=30)
+    ap.add_argument("--always-draft", action="store_true",
+                    help="adaptive_drafting off: draft whenever the proposer can (the workload's own ceiling)")
     ap.add_argument("--workload", choices=WORKLOADS, default=None, help="run (or write) this workload only")
     ap.add_argument("--write-prompts", default=None, metavar="FILE",
                     help="write --workload's prompts (--requests of them) as jsonl token ids and exit")
@@ -123,6 +131,9 @@ def main() -> int:
                          "prompt_lookup_max": 4}}
     if args.draft_model:
         configs["draft"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    for spec in configs.values():
+        if spec is not None and args.always_draft:
+            spec["adaptive_drafting"] = False
     rows, reference = [], {}
     for name, spec in configs.items():
         for concurrency in levels:
@@ -135,12 +146,14 @@ def main() -> int:
                           list(stats.spec_accepted_per_pos))
                 tok_s, outputs = run_load(llm, prompts, args.max_tokens)
                 drafts = stats.spec_drafts - before[0]
+                accepted = stats.spec_accepted_tokens - before[2]
+                produced = len(prompts) * args.max_tokens
                 per_pos = [a - (before[3][i] if i < len(before[3]) else 0)
                            for i, a in enumerate(stats.spec_accepted_per_pos)]
                 row = {"bench": "speculative", "model": args.model, "config": name, "workload": kind,
                        "concurrency": concurrency, "output_tok_s": round(tok_s, 1),
-                       "acceptance": round((stats.spec_accepted_tokens - before[2])
-                                           / max(stats.spec_draft_tokens - before[1], 1), 3),
+                       "acceptance": round(accepted / max(stats.spec_draft_tokens - before[1], 1), 3),
+                       "ceiling": round(produced / (produced - accepted), 2),
                        "per_position": [round(a / drafts, 3) for a in per_pos] if drafts else [],
                        "compilations_after_warmup": llm.engine.compilations_since_warmup}
                 key = (kind, concurrency)
@@ -156,12 +169,14 @@ def main() -> int:
                                   "k_plus_1_over_1": round(ratio, 3)}), flush=True)
             del llm
     off = {(r["workload"], r["concurrency"]): r["output_tok_s"] for r in rows if r["config"] == "off"}
-    print("\n| workload | concurrency | config | out tok/s | vs off | acceptance | per position |")
-    print("|---|---:|---|---:|---:|---:|---|")
+    print("\n| workload | concurrency | config | out tok/s | vs off | ceiling | acceptance | per position |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
     for r in rows:
         ratio = r["output_tok_s"] / off[(r["workload"], r["concurrency"])]
+        spec = r["config"] != "off"
         print(f"| {r['workload']} | {r['concurrency']} | {r['config']} | {r['output_tok_s']} | {ratio:.2f}x | "
-              f"{r['acceptance'] if r['config'] != 'off' else ''} | {', '.join(map(str, r['per_position']))} |")
+              f"{f'{r['ceiling']:.2f}x' if spec else ''} | {r['acceptance'] if spec else ''} | "
+              f"{', '.join(map(str, r['per_position']))} |")
     return 0
 
 
