@@ -20,12 +20,12 @@ from pathlib import Path
 
 import jax
 
-from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
-from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
+from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls, smallest_token_bucket
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
@@ -137,6 +137,16 @@ def _mesh_plan(args: EngineArgs, config: ModelConfig):
     return plan
 
 
+def token_buckets_for(budget: int, dtype) -> tuple[int, ...]:
+    """The default buckets, without those too small to run fast with these weights on this backend."""
+    smallest = smallest_token_bucket(jax.default_backend(), dtype)
+    buckets = tuple(b for b in default_token_buckets(budget) if b >= smallest or b == budget)
+    if smallest > 1:
+        logger.info("token buckets from %d: a %s step of fewer tokens runs padded to %d (XLA:CPU's tuned products "
+                    "start there)", smallest, jax.numpy.dtype(dtype).name, smallest)
+    return buckets
+
+
 def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer,
                   dtype) -> BuiltModel:
     """Everything but the weights, for a model already on its mesh."""
@@ -156,7 +166,7 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                                              default_token_budget(args.max_num_seqs))
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
-        token_buckets=args.token_buckets, scheduling_policy=args.scheduling_policy,
+        token_buckets=args.token_buckets or token_buckets_for(budget, dtype), scheduling_policy=args.scheduling_policy,
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
