@@ -113,6 +113,9 @@ def test_dtype_warnings_say_what_differs_from_what_was_asked():
     assert "linear layers stay uint4" in dtype_warnings("bfloat16", None, awq, "bfloat16", "gpu")[0]
     fp8 = dataclasses.replace(config, linear_quantization=LinearQuantization("fp8"))
     assert "--quantization int8 is the fast option" in dtype_warnings("auto", "fp8", fp8, np.float32, "cpu")[0]
+    half = dtype_warnings("float16", None, config, "float16", "cpu")
+    assert any("no fast float16 products" in w for w in half)
+    assert not any("float16 products" in w for w in dtype_warnings("float16", None, config, "float16", "gpu"))
     assert dtype_warnings("auto", "fp8", fp8, np.float32, "gpu") == []
 
 
