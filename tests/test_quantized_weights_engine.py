@@ -187,6 +187,23 @@ def test_quantization_flag_that_disagrees_with_the_checkpoint_names_both(request
         LLM(str(served_copy("awq_int4", tmp_path)), quantization=requested, max_num_seqs=1, token_buckets=(64,))
 
 
+def test_a_conversion_marker_from_before_quantize_embedding_reads_as_a_float_embedding(tmp_path):
+    """Conversions written before `--quantize-embedding` have no `embedding` key in their marker: their
+    embedding is float, and every reader sees that key filled in."""
+    from jaxserve.loader.formats import MARKER
+    from jaxserve.loader.quantized import stored_quantization
+    entry = {"codes": "int8", "block_size": None, "lm_head": True, "source": "quantized at load",
+             "float_activations": False}
+    (tmp_path / MARKER).write_text(json.dumps({"format": "mapped", "linear_quantization": entry}))
+    assert stored_quantization(tmp_path) == {**entry, "embedding": False}
+    embedded = {**entry, "embedding": True}
+    (tmp_path / MARKER).write_text(json.dumps({"format": "mapped", "linear_quantization": embedded}))
+    assert stored_quantization(tmp_path)["embedding"] is True
+    (tmp_path / MARKER).write_text(json.dumps({"format": "mapped"}))
+    assert stored_quantization(tmp_path) is None  # float layers
+    assert stored_quantization(FIXTURES / "awq_int4") is None  # a Hugging Face directory
+
+
 def test_fp8_checkpoint_is_re_quantized_to_int8_when_asked(tmp_path):
     """`--quantization int8` on an fp8 checkpoint: each layer's fp8 weights, dequantized, quantized again per
     output channel, so a CPU runs its integer products instead of fp8 weight-only. Every int8 weight is

@@ -76,7 +76,9 @@ def stored_quantization(model_dir: str | Path | None) -> dict | None:
     float_activations}, from its marker); None for float layers or a Hugging Face directory."""
     if model_dir is None or not checkpoint_format(model_dir):
         return None
-    return checkpoint_marker(model_dir).get("linear_quantization")
+    stored = checkpoint_marker(model_dir).get("linear_quantization")
+    # A marker written before --quantize-embedding has no key for it: its embedding is float.
+    return None if stored is None else {"embedding": False, **stored}
 
 
 def describe_stored(spec: LinearQuantization, float_activations: bool) -> dict:
@@ -130,8 +132,7 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
                              f"it as stored, or convert the Hugging Face checkpoint again")
         strategy, min_rows = choose_strategy(codes, platform, stored["float_activations"])
         return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
-                                  # (markers written before --quantize-embedding lack its key)
-                                  lm_head=stored["lm_head"], embedding=stored.get("embedding", False))
+                                  lm_head=stored["lm_head"], embedding=stored["embedding"])
     if ckpt is not None and requantizes(requested, ckpt):
         strategy, min_rows = choose_strategy("int8", platform)
         return LinearQuantization("int8", None, strategy, min_rows,
@@ -162,7 +163,7 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
     spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
     if lm_head and not (stored and stored["lm_head"]):
         spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
-    if embedding and not (stored and stored.get("embedding")):
+    if embedding and not (stored and stored["embedding"]):
         spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
     if spec is None:
         return reader, config
