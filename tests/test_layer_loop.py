@@ -38,8 +38,8 @@ def test_the_repeating_period_of_layers(case, period):
 
 
 def test_auto_unrolls_on_cpu_and_scans_elsewhere():
-    assert resolve_layer_loop("auto", "cpu") == "unroll"
-    assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu") == "scan"
+    assert resolve_layer_loop("auto", "cpu") == resolve_layer_loop("auto", "gpu") == "unroll"
+    assert resolve_layer_loop("auto", "tpu") == "scan"
     assert resolve_layer_loop("scan", "cpu") == "scan"
     with pytest.raises(ValueError, match="layer_loop must be one of"):
         resolve_layer_loop("loop", "cpu")
