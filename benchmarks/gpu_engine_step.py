@@ -7,7 +7,7 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    few hand-built ragged steps of a 2-layer model with the same heads (float32 and bf16; teacher-forced, flips
    allowed only at near-ties of the reference's own logits, logits within a relative tolerance).
 2. Build (`E2EModel`): the full-size random model, sharded onto the mesh, and its engine warmed up (every step
-   program compiled), unless --time-budget has less than BUILD_RESERVE_S left.
+   program compiled), unless --time-budget has less than `build_reserve_s` left.
 3. Decode (`E2EModel.decode`) at 1, 16 and 64 running sequences, each with 1024 tokens of context prefilled
    through the engine: windows of 64 back-to-back `Engine.step()` calls (host work and asynchronous scheduling
    included; the device is waited for only around each window), median of 3. Reports ms/step, tokens/s, and
@@ -20,7 +20,7 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
 5. Quantized variants (issue 27): `--e2e-quantization int8|fp8` (linear layers quantized at load; on a GPU
    int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores) and `--e2e-kv-cache-dtype int8|fp8`; the
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
-6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: scanned on a GPU); the build+compile row
+6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
 """
 
@@ -41,7 +41,10 @@ E2E_TINY = dict(e2e_layers=2, e2e_hidden=64, e2e_heads=4, e2e_kv_heads=2, e2e_he
                 e2e_vocab=512, e2e_context=24, e2e_decode_batches=[1, 2], e2e_prefill=32, e2e_steps=3,
                 e2e_repeats=1, e2e_warmup_steps=1, e2e_check_layers=2, e2e_check_prompts=[13, 5, 21],
                 e2e_check_steps=3, e2e_copy_mib=8)
-BUILD_RESERVE_S = 150  # seconds --time-budget must still have left to start the full-size model (a guess)
+def build_reserve_s(layers: int) -> float:
+    """Seconds --time-budget must still have left to start building the timed model (a guess: ~150 s for
+    32 layers, most of it random init through the host and compiling the step programs)."""
+    return 40 + 3.5 * layers
 CHECK_TOLERANCES = {  # logits rel. error, and the reference's top-2 margin (in row std) that excuses a flip
     "float32": (1e-3, 1e-3), "bfloat16": (5e-2, 0.1)}
 
@@ -158,6 +161,7 @@ class E2EModel:
 
     def __init__(self, args):
         from jaxserve import Engine, EngineArgs
+        from jaxserve.engine.builder import smallest_token_bucket
         from jaxserve.scheduling.pages import pages_needed
 
         batches = sorted(set(args.e2e_decode_batches))
@@ -171,8 +175,13 @@ class E2EModel:
         self.args, self.batches = args, batches
         self.dtype = jnp.dtype(args.e2e_dtype)
         self.config = c = e2e_config(args, args.e2e_layers, args.e2e_vocab, max_len)
+        # One bucket per decode row, raised to the engine's smallest default bucket for this backend and
+        # dtype (a lone bf16 decode on a GPU runs padded to 16) unless --e2e-exact-buckets asks for the rows
+        # as given (the A/B of that padding).
+        smallest = 1 if args.e2e_exact_buckets else smallest_token_bucket(jax.default_backend(), self.dtype)
+        buckets = tuple(sorted({max(b, smallest) for b in batches} | {budget}))
         engine_args = EngineArgs(max_num_seqs=batches[-1], max_model_len=max_len, page_size=page,
-                                 max_num_batched_tokens=budget, token_buckets=tuple(sorted(set(batches) | {budget})),
+                                 max_num_batched_tokens=budget, token_buckets=buckets,
                                  attention_backend=e2e_backend(), quantization=args.e2e_quantization,
                                  kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop)
         t0 = time.perf_counter()
@@ -248,8 +257,10 @@ class E2EModel:
         row = dict(ms=t * 1e3, tok_s=n / t, gbs=gbs, ratio=gbs / copy_gbs, seqs=n, mean_context=kv_tokens / n,
                    param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
                    window_ms=[w[0] * 1e3 for w in windows],
-                   compiles_while_timed=engine.compilations_since_warmup - compiles)
-        print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}): {t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
+                   compiles_while_timed=engine.compilations_since_warmup - compiles,
+                   token_bucket=min(b for b in engine.scheduler_config.token_buckets if b >= n))
+        print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
+              f"{t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
               f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
         return row
 
@@ -305,7 +316,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
     model: dict = {}
 
     def build():
-        check_budget(reserve=0 if gpu_common.INTERPRET else BUILD_RESERVE_S)
+        check_budget(reserve=0 if gpu_common.INTERPRET else build_reserve_s(args.e2e_layers))
         m = model["m"] = E2EModel(args)
         c = m.config
         print(f"  model: random Llama, hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
@@ -356,8 +367,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                      help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
     e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",
-                     help="layers unrolled or under lax.scan (issue 28; auto scans on GPU): compare the "
+                     help="layers unrolled or under lax.scan (issue 28; auto unrolls on GPU): compare the "
                           "build+compile row and the decode rows of one run with each")
+    e2e.add_argument("--e2e-exact-buckets", action="store_true",
+                     help="a token bucket for each decode row as given (default: raised to the engine's "
+                          "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
                      help="running sequences of each decode row")

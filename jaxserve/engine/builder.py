@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
-from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls, smallest_token_bucket
+from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
@@ -137,13 +138,27 @@ def _mesh_plan(args: EngineArgs, config: ModelConfig):
     return plan
 
 
+def smallest_token_bucket(platform: str, dtype) -> int:
+    """The smallest token bucket worth compiling for weights of `dtype` on `platform`, where a step of fewer
+    tokens ran slower than one of this many (so it runs padded instead):
+    - CPU, bfloat16: 2. XLA:CPU runs a one-row bfloat16 product in its own loop and two rows in its tuned
+      kernels (the 124.7M model's step: 102-108 ms for one token, 21-22 ms for two; cpu_matmuls.py).
+    - GPU, 2-byte floats: 16. On an H200 the one-token decode step of an 8-layer Llama-3-8B-shaped bf16 model
+      took 4.25-6.07 ms while the 16-token step of the same run, with 16 sequences' KV to read, took 3.28-4.80
+      (docs/performance.md). Up to a few dozen rows a GPU matmul costs what reading its weights costs.
+    Else 1."""
+    if platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16:
+        return 2
+    return 16 if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else 1
+
+
 def token_buckets_for(budget: int, dtype) -> tuple[int, ...]:
     """The default buckets, without those too small to run fast with these weights on this backend."""
     smallest = smallest_token_bucket(jax.default_backend(), dtype)
     buckets = tuple(b for b in default_token_buckets(budget) if b >= smallest or b == budget)
     if smallest > 1:
-        logger.info("token buckets from %d: a %s step of fewer tokens runs padded to %d (XLA:CPU's tuned products "
-                    "start there)", smallest, jax.numpy.dtype(dtype).name, smallest)
+        logger.info("token buckets from %d: a %s step of fewer tokens runs padded to %d (a smaller step ran "
+                    "slower on %s)", min(buckets), jnp.dtype(dtype).name, min(buckets), jax.default_backend())
     return buckets
 
 

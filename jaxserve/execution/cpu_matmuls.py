@@ -17,7 +17,8 @@ emitter ran the attention's multiply-and-sum formulation 12x slower.
 One more choice follows the weights' dtype: XLA:CPU runs a bfloat16 product of one row in its own generated
 loop, and from two rows up in YNNPACK's tuned kernels. The 124.7M model's bfloat16 step took 102-108 ms for
 one token and 21-22 ms for two (float32: 17.8 and 24 ms; docs/performance.md, "bfloat16 weights on the
-CPU"), so `smallest_token_bucket` makes bfloat16 engines run a one-token step padded to two tokens.
+CPU"), so bfloat16 engines run a one-token step padded to two tokens (`smallest_token_bucket` in
+jaxserve/engine/builder.py).
 """
 
 from __future__ import annotations
@@ -62,12 +63,6 @@ def _xla_knows_the_option() -> bool:
         return True
     except Exception:  # XLA answers an unknown option with INVALID_ARGUMENT
         return False
-
-
-def smallest_token_bucket(platform: str, dtype) -> int:
-    """The smallest token bucket worth compiling for weights of `dtype`: 2 for bfloat16 on a CPU (one row
-    is XLA's slow loop, see above), else 1."""
-    return 2 if platform == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 else 1
 
 
 def compiler_options(library: str | None) -> dict[str, str]:
