@@ -1,8 +1,7 @@
 """Check and time the Pallas Triton ragged paged-attention kernel on a GPU, beside the pure-jnp reference, and
 the engine end to end on a random Llama-3-8B-shaped model.
 
-Run from the repository root on the GPU machine (installs nothing; not yet timed on an H200, expected about
-4-6 minutes in all, most of it compilation: see "Time" below):
+Run from the repository root on the GPU machine (installs nothing; see "Time" below):
 
     python3 benchmarks/gpu_kernels.py --time-budget 390     # device call timeout 480 s; writes $OUT/gpu_kernels.json
     python3 benchmarks/gpu_kernels.py --interpret --batch 2 --context 64 --chunk 32 --mixed-decodes 2 \\
@@ -35,15 +34,14 @@ numbers; the JSON under $OUT is rewritten after each section, so a run cut short
 Files: this one holds sections 1-4, the command line and main(); gpu_common.py the run state and helpers
 both parts share (timing, the copy yardstick, the time budget, error rows); gpu_engine_step.py section 5.
 
-Time (an estimate until a run records it in the JSON's section_seconds): kernel sections about 2 minutes of
-Triton compiles; e2e: the check ~30-45 s, the 8B model's random init + sharding (~16 GB of weights through
-the host) ~20-30 s, warm-up compiling 4 step programs (token buckets 1, 16, 64, 2048) ~1-2.5 minutes with 32
-unrolled layers (`--e2e-layer-loop unroll`); scanned, the GPU's default since issue 28, the programs hold
-one layer (on CPU depth stopped mattering, benchmarks/compile_depth.py; not yet timed on a GPU); the timed
-steps ~15 s. Memory: ~16 GB of weights (32 GB while sharding) + a 17 GB KV cache.
-`--time-budget S` turns every part not started by S seconds into a "skipped" error row (the 8B model needs
-gpu_engine_step.BUILD_RESERVE_S left), so the table is printed before the device call's timeout; if
-time is short, rerun with `--sections e2e --skip-checks`, or `--e2e-layers 8` (fewer layers to build).
+Time (measured on an H200 on 2026-12-04, docs/performance.md): the kernel sections about 96 s, most of it
+Triton compiles; e2e with 8 layers 44-107 s (the check 10-30 s, random init 6-13 s, compiling the 4 step
+programs 17-68 s, fp8 the slowest); the full 32 layers were not run (random init of ~16 GB of weights through
+the host, and compiling 32 unrolled layers, several minutes). `benchmarks/gpu_session.sh` runs the parts that
+fit one device call, each in its own process under an overall deadline.
+`--time-budget S` turns every part not started by S seconds into a "skipped" error row (the model build
+needs gpu_engine_step.build_reserve_s(layers) left), so the table is printed before the device call's
+timeout; if time is short, rerun with `--sections e2e --skip-checks`, or `--e2e-layers 8` (fewer layers).
 """
 
 from __future__ import annotations
@@ -202,6 +200,16 @@ def run_decode(args, rows: list) -> None:
 
             guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
 
+        for block_q in args.decode_block_q if page_size == args.page_sizes[0] else []:
+            def measure_block_q(block_q=block_q):  # the default key block, a named query tile
+                t = timed_kernel(batch, block_q=block_q)
+                gbs = (kv_bytes + qo_bytes) / t / 1e9
+                print(f"  decode pages={page_size} block_q={block_q}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
+                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
+                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+            guarded(rows, "decode kernel", f"pages={page_size} block_q={block_q}", measure_block_q)
+
         def reference(batch=batch):
             fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=D ** -0.5))
             t = bench(fn, *batch, calls=5)
@@ -264,23 +272,25 @@ def run_mixed(args, rows: list) -> None:
     n = len(decodes)
     only_decodes = (q[:n], k_pages, v_pages, kv_lens[:n], tables[:n], cu_q_lens[:n + 1])
     only_chunk = (q[n:], k_pages, v_pages, kv_lens[n:], tables[n:], cu_q_lens[n:] - n)
-    config = f"{n} decodes x {ctx} + chunk {chunk} over {prefix}"
-    times = {}
+    for block_q in [None] + args.mixed_block_q:  # the default tiles, then each named one for all three calls
+        tile = "" if block_q is None else f", block_q={block_q}"
+        config = f"{n} decodes x {ctx} + chunk {chunk} over {prefix}{tile}"
+        times = {}
 
-    def part(name, batch):
-        def measure():
-            times[name] = timed_kernel(batch)
-            print(f"  {name}: {times[name] * 1e3:.3f} ms", flush=True)
-            extra = {}
-            if name == "mixed" and {"decodes only", "chunk only"} <= times.keys():
-                extra["ratio"] = times["mixed"] / (times["decodes only"] + times["chunk only"])
-                print(f"  mixed / (decodes + chunk) = {extra['ratio']:.2f}", flush=True)
-            return dict(ms=times[name] * 1e3, **extra)
-        return measure
+        def part(name, batch, block_q=block_q, times=times):
+            def measure():
+                times[name] = timed_kernel(batch, block_q=block_q)
+                print(f"  {name}{tile}: {times[name] * 1e3:.3f} ms", flush=True)
+                extra = {}
+                if name == "mixed" and {"decodes only", "chunk only"} <= times.keys():
+                    extra["ratio"] = times["mixed"] / (times["decodes only"] + times["chunk only"])
+                    print(f"  mixed / (decodes + chunk) = {extra['ratio']:.2f}", flush=True)
+                return dict(ms=times[name] * 1e3, **extra)
+            return measure
 
-    guarded(rows, "mixed: decodes only", config, part("decodes only", only_decodes))
-    guarded(rows, "mixed: chunk only", config, part("chunk only", only_chunk))
-    guarded(rows, "mixed: one call", config, part("mixed", mixed))
+        guarded(rows, "mixed: decodes only", config, part("decodes only", only_decodes))
+        guarded(rows, "mixed: chunk only", config, part("chunk only", only_chunk))
+        guarded(rows, "mixed: one call", config, part("mixed", mixed))
 
 
 # ---- main ---------------------------------------------------------------------------------------------------
@@ -304,8 +314,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--block-tokens", type=int, nargs="+", default=[64, 128, 256],
                         help="decode keys per compute block (pages_per_compute_block = this / page size)")
     parser.add_argument("--prefill-blocks", type=lambda s: tuple(map(int, s.split("x"))), nargs="*",
-                        default=[(8, 64), (16, 64), (32, 64), (32, 128)],
+                        default=[(8, 128), (8, 64), (16, 64), (32, 64), (32, 128)],
                         help="block_q (tokens; rows = block_q x 4 query heads per KV head) x keys, e.g. 16x64")
+    parser.add_argument("--decode-block-q", type=int, nargs="*", default=[8],
+                        help="query tiles (tokens) the decode section also times at its first page size "
+                             "(8: 32 rows, the default before the tile followed the batch's shape)")
+    parser.add_argument("--mixed-block-q", type=int, nargs="*", default=[8],
+                        help="query tiles the mixed section also times, after the default ones")
     parser.add_argument("--skip-checks", action="store_true", help="skip the kernel checks (not the e2e check)")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in interpret mode (tiny sizes)")
     gpu_engine_step.add_arguments(parser)  # the --e2e-* options, beside their section

@@ -3,6 +3,9 @@ machines); what is checked is that the run completes, its own checks pass, and i
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +100,26 @@ def test_speculative_benchmark_s_retold_prompts_hold_the_model_s_own_answer(stor
         again = r.prompt[opening_len + 12:]
         assert opening[0] == 1 and 1 not in again and again == opening[1:]
         assert told == list(stories_llm.generate([opening], greedy)[0].outputs[0].token_ids)
+
+
+def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path):
+    """benchmarks/gpu_session.sh, what a device call runs, dry-run on CPU with the interpret-mode flags
+    appended to each part: every part named runs in its own process and leaves its JSON under $OUT/<part>,
+    and the exact8 part's lone decode runs in a one-token step while e2e8's runs padded to the engine's
+    smallest default bucket (2 for bf16 on a CPU; 16 on a GPU)."""
+    tiny = "--interpret --e2e-tiny --e2e-decode-batches 1 --e2e-repeats 1"
+    env = dict(os.environ, OUT=str(tmp_path), GPU_PARTS="e2e8 exact8", DEADLINE="300", GPU_EXTRA_ARGS=tiny,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    log = (tmp_path / "session.log").read_text()
+    assert done.returncode == 0, log[-3000:]
+    assert "== e2e8: exit 0" in log and "== exact8: exit 0" in log, log[-3000:]
+    buckets = {}
+    for part in ("e2e8", "exact8"):
+        details = json.loads((tmp_path / part / "gpu_kernels.json").read_text())
+        assert "--e2e-layers 8" in details["argv"] and all(c["ok"] for c in details["checks"])
+        (decode,) = [r for r in details["timings"] if r["bench"] == "e2e decode"]
+        assert decode["seqs"] == 1 and decode["compiles_while_timed"] == 0
+        buckets[part] = decode["token_bucket"]
+    assert buckets == {"e2e8": 2, "exact8": 1}  # e2e8 is bf16: padded to two tokens on a CPU
