@@ -8,7 +8,9 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    allowed only at near-ties of the reference's own logits, logits within a relative tolerance).
 2. Build (`E2EModel`): the full-size random model, sharded onto the mesh, and its engine warmed up (every step
    program compiled), unless --time-budget has less than `build_reserve_s` left.
-3. Decode (`E2EModel.decode`) at 1, 16 and 64 running sequences, each with 1024 tokens of context prefilled
+3. Idle steps (`idle_steps`): each bucket's program with no sequences (no KV read), one call at a time
+   from dispatch to samples on the host: the weights-and-sampler floor of a step, per token bucket.
+   Decode (`E2EModel.decode`) at 1, 16 and 64 running sequences, each with 1024 tokens of context prefilled
    through the engine: windows of 64 back-to-back `Engine.step()` calls (host work and asynchronous scheduling
    included; the device is waited for only around each window), median of 3. Reports ms/step, tokens/s, and
    GB/s = (the measured model's parameter bytes, embedding table excluded, + the K/V bytes of every sequence's
@@ -329,6 +331,19 @@ def run_e2e(args, rows: list, checks: list) -> None:
                     layers=c.num_layers, backend=m.backend, build_s=m.build_s, warmup_s=m.warmup_s,
                     max_model_len=c.max_position_embeddings, buckets=list(m.engine.runner.layouts))
 
+    def idle_steps():
+        """Each bucket's program with no sequence in it (every token padding, no KV read): dispatch to samples
+        on the host, one call at a time. Its weights-and-sampler floor, beside the decode rows' engine steps,
+        and whether a one-token program is slower than a wider one (the 16-token padding on GPUs)."""
+        runner = need_model().engine.runner
+        times = {}
+        for bucket in runner.layouts:
+            runner.time_idle_step(bucket)  # warm
+            times[bucket] = float(np.median([runner.time_idle_step(bucket) for _ in range(args.e2e_repeats * 3)]))
+        print("  idle step (no sequences) per bucket: " + ", ".join(f"{b} tokens {t * 1e3:.2f} ms"
+                                                                   for b, t in times.items()), flush=True)
+        return dict(ms=min(times.values()) * 1e3, idle_ms={str(b): t * 1e3 for b, t in times.items()})
+
     precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
         f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
         f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "")
@@ -339,6 +354,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
             raise RuntimeError("no model: its build failed (see the 'e2e model' row)")
         return model["m"]
 
+    guarded(rows, "e2e idle step", "per bucket, no sequences (ms: the fastest)", idle_steps)
     for n in sorted(set(args.e2e_decode_batches)):
         guarded(rows, "e2e decode", f"{n} seqs x ctx {args.e2e_context}, {args.e2e_layers}L",
                 lambda n=n: need_model().decode(n))

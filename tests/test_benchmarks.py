@@ -47,7 +47,7 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     # 6 kernel checks, 6 over int8 / fp8 KV pages, and the e2e greedy check in float32 and bfloat16
     assert "checks: 14/14 ok" in table
     lines = table.splitlines()
-    for prefix in ("e2e model ", "e2e decode             1 seqs", "e2e decode             2 seqs",
+    for prefix in ("e2e model ", "e2e idle step ", "e2e decode             1 seqs", "e2e decode             2 seqs",
                    "e2e prefill ", "decode kernel ", "decode kernel int8 pages", "decode kernel fp8 pages",
                    "prefill kernel ", "mixed: one call "):
         assert any(line.startswith(prefix) for line in lines), prefix
