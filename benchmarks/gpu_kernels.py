@@ -5,19 +5,22 @@ Run from the repository root on the GPU machine (installs nothing; see "Time" be
 
     python3 benchmarks/gpu_kernels.py --time-budget 390     # device call timeout 480 s; writes $OUT/gpu_kernels.json
     python3 benchmarks/gpu_kernels.py --interpret --batch 2 --context 64 --chunk 32 --mixed-decodes 2 \\
-        --mixed-chunk 16 --page-sizes 16 --block-tokens 16 --prefill-blocks 8x16 --e2e-tiny   # CPU dry run
+        --mixed-chunk 16 --page-sizes 16 --block-tokens 16 --prefill-blocks 8x16 --long-context 96 \
+        --e2e-tiny   # CPU dry run
     python3 benchmarks/gpu_kernels.py --interpret --skip-checks --sections e2e --e2e-tiny   # e2e only (~20 s)
 
 1. Correctness: the kernel against `ragged_paged_attention_reference`, float32 and bfloat16, on shuffled pages
    with ragged mixes (decodes, first prefill chunks, chunks over a cached prefix, padding sequences and
    padding rows, lengths 1 and page boundaries), plain and with soft_cap + sliding_window; and bfloat16
    queries over int8 and fp8 KV pages (per-token scales, `pallas_kernels/kv_quant.py`) against the
-   reference over the same quantized pages.
+   reference over the same quantized pages; bfloat16 once more with num_kv_splits=3.
 2. Decode: batch 64 x context 2048 (one row per sequence), 32 query / 8 KV heads, head_dim 128, bf16, page
    sizes 16/32/64 and a few key-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over
    time) and its ratio to a device-to-device copy of a buffer the size of K+V measured in the same run
-   (copy GB/s = read + write). Then int8 and fp8 pages at the default key block: their bytes (codes plus
-   4-byte scales) over time, and their speed-up over bf16 pages.
+   (copy GB/s = read + write); at the first page size also other query tiles (--decode-block-q) and keys
+   split among programs (--decode-kv-splits). Then int8 and fp8 pages at the default key block: their bytes
+   (codes plus 4-byte scales) over time, and their speed-up over bf16 pages. Then the latency case: one
+   sequence of 32768 keys (--long-*) with num_kv_splits 1, 4, 16, 32.
 3. Prefill: one 2048-token first chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
 4. Mixed: 60 decodes plus one 512-token chunk over a 512-token cached prefix in one ragged call, against the
    same decodes and the same chunk as two separate calls (the unified kernel should cost about their sum).
@@ -113,14 +116,15 @@ def run_checks(results: list) -> None:
         case = random_ragged_case(rng, list(q_lens), list(kv_lens), num_kv_heads=setup["kvh"], group=setup["group"],
                                   page_size=setup["s"], head_dim=setup["d"], max_pages=max_pages,
                                   padding_tokens=setup["padding"])
-        for dtype in ("float32", "bfloat16"):
-            name = f"ragged {dtype} {setup['name']}"
+        # bf16 once more with each item's keys split among 3 programs (num_kv_splits, merged after the kernel)
+        for dtype, splits in (("float32", 1), ("bfloat16", 1), ("bfloat16", 3)):
+            name = f"ragged {dtype} {setup['name']}" + (f" kv_splits={splits}" if splits > 1 else "")
             try:
                 args = (jnp.asarray(case.q, dtype), jnp.asarray(case.paged.k_pages, dtype),
                         jnp.asarray(case.paged.v_pages, dtype), jnp.asarray(case.kv_lens),
                         jnp.asarray(case.paged.page_tables), jnp.asarray(case.cu_q_lens))
                 scale = setup["d"] ** -0.5
-                got = kernel(*args, sm_scale=scale, **setup["opts"])
+                got = kernel(*args, sm_scale=scale, num_kv_splits=splits, **setup["opts"])
                 with jax.default_matmul_precision("highest"):
                     want = jitted_reference(*args, sm_scale=scale, **setup["opts"])
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
@@ -200,6 +204,16 @@ def run_decode(args, rows: list) -> None:
 
             guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
 
+        for splits in args.decode_kv_splits if page_size == args.page_sizes[0] else []:
+            def measure_splits(splits=splits):  # the default tiles, each item's keys shared among programs
+                t = timed_kernel(batch, num_kv_splits=splits)
+                gbs = (kv_bytes + qo_bytes) / t / 1e9
+                print(f"  decode pages={page_size} kv_splits={splits}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
+                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
+                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+            guarded(rows, "decode kernel", f"pages={page_size} kv_splits={splits}", measure_splits)
+
         for block_q in args.decode_block_q if page_size == args.page_sizes[0] else []:
             def measure_block_q(block_q=block_q):  # the default key block, a named query tile
                 t = timed_kernel(batch, block_q=block_q)
@@ -233,6 +247,27 @@ def run_decode(args, rows: list) -> None:
 
             guarded(rows, f"decode kernel {kv_dtype} pages", f"pages={page_size}", quantized)
         del batch
+    run_long_decode(args, rows)
+
+
+def run_long_decode(args, rows: list) -> None:
+    """Few sequences over a long context (the latency case): one program per sequence and KV head leaves
+    most multiprocessors idle unless the keys are split among programs (`num_kv_splits`)."""
+    b, ctx, page_size = args.long_batch, args.long_context, 16
+    itemsize = jnp.dtype(DTYPE).itemsize
+    read = 2 * b * KVH * ctx * D * itemsize + 2 * b * H * D * itemsize
+    copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
+    batch = ragged_batch([(1, ctx)] * b, page_size, seed=5)
+    for splits in args.long_kv_splits:
+        def measure(splits=splits):
+            t = timed_kernel(batch, num_kv_splits=splits)
+            gbs = read / t / 1e9
+            print(f"  long decode {b} x {ctx} kv_splits={splits}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
+                  f"({gbs / copy_gbs:.2f} of copy)", flush=True)
+            return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+        guarded(rows, "long decode kernel", f"{b} x {ctx} kv_splits={splits}", measure)
+    del batch
 
 
 # ---- 3. prefill FLOP/s -------------------------------------------------------------------------------------
@@ -319,6 +354,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-block-q", type=int, nargs="*", default=[8],
                         help="query tiles (tokens) the decode section also times at its first page size "
                              "(8: 32 rows, the default before the tile followed the batch's shape)")
+    parser.add_argument("--decode-kv-splits", type=int, nargs="*", default=[2, 4],
+                        help="num_kv_splits the decode section also times at its first page size (split-K)")
+    parser.add_argument("--long-batch", type=int, default=1, help="sequences of the long-context decode rows")
+    parser.add_argument("--long-context", type=int, default=32768, help="their context (keys per sequence)")
+    parser.add_argument("--long-kv-splits", type=int, nargs="*", default=[1, 4, 16, 32],
+                        help="num_kv_splits of the long-context decode rows")
     parser.add_argument("--mixed-block-q", type=int, nargs="*", default=[8],
                         help="query tiles the mixed section also times, after the default ones")
     parser.add_argument("--skip-checks", action="store_true", help="skip the kernel checks (not the e2e check)")

@@ -13,6 +13,11 @@
 4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
    sequence's rows, which another program owns). Padding rows (from cu_q_lens[-1] on) belong to no item;
    the wrapper zeroes them.
+5. With `num_kv_splits` S > 1 the grid gains a third axis: each of an item's S programs folds a contiguous
+   share of its key blocks and stores its unnormalized sum with its running max and softmax sum, and
+   `merge_splits` rescales the S shares to a common max after the kernel (FlashDecoding's split-K). A decode
+   batch of few sequences otherwise runs one program per sequence and KV head, far fewer than the GPU's
+   multiprocessors.
 Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
 `[num_pages, page_size]` operand per KV head each for K and V), converted to q's dtype in registers, and
 the scales folded into the scores and the value weights.
@@ -71,15 +76,17 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
                    *refs,  # quantized pages: k_scales_ref, v_scales_ref [num_pages, page_size] float32; then
-                   #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written)
+                   #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written), or with
+                   #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T_pad, group_pad]
                    sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
-                   pages_per_block: int, max_pages: int, precision, quantized: bool):
-    k_scales_ref, v_scales_ref, o_ref = refs if quantized else (None, None, *refs)
+                   pages_per_block: int, max_pages: int, precision, quantized: bool, num_splits: int):
+    k_scales_ref, v_scales_ref, *out_refs = refs if quantized else (None, None, *refs)
     _, group, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     rows = block_q * group
     item = pl.program_id(0)
+    split = pl.program_id(2)  # read here: interpret mode cannot lower program_id inside pl.when's branch
     seq = item_seq_ref[item]
 
     @pl.when(seq >= 0)
@@ -94,6 +101,10 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             start_blk = 0
         else:
             start_blk = lax.div(jnp.maximum(first_row + offset - sliding_window + 1, 0), block_k)
+        if num_splits > 1:  # this program's share of the key blocks: a contiguous run, maybe empty
+            per_split = lax.div(jnp.maximum(end_blk - start_blk, 0) + num_splits - 1, num_splits)
+            start_blk = start_blk + split * per_split
+            end_blk = jnp.minimum(start_blk + per_split, end_blk)
 
         # Row r of the tile is token r // group, head r % group (group is a power of 2: a shift).
         q = q_ref[pl.ds(first_row, block_q)].reshape(rows, head_dim)
@@ -122,37 +133,65 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
 
         init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK_VALUE, jnp.float32),
                 jnp.zeros((rows, 1), jnp.float32))
-        acc, _, l = lax.fori_loop(0, jnp.maximum(end_blk - start_blk, 0), body, init)
-        out = (acc / jnp.where(l > 0, l, 1.0)).reshape(block_q, group, head_dim).astype(o_ref.dtype)
+        acc, m, l = lax.fori_loop(0, jnp.maximum(end_blk - start_blk, 0), body, init)
         tokens = first_row + jnp.arange(block_q, dtype=jnp.int32)
         store_mask = lax.broadcast_in_dim(tokens < end_row, (block_q, group, head_dim), (0,))
-        plgpu.store(o_ref.at[pl.ds(first_row, block_q)], out, mask=store_mask)
+        here = pl.ds(first_row, block_q)
+        if num_splits == 1:
+            (o_ref,) = out_refs
+            out = (acc / jnp.where(l > 0, l, 1.0)).reshape(block_q, group, head_dim).astype(o_ref.dtype)
+            plgpu.store(o_ref.at[here], out, mask=store_mask)
+        else:  # unnormalized, with the softmax state the wrapper merges the splits by
+            acc_ref, m_ref, l_ref = out_refs
+            plgpu.store(acc_ref.at[here], acc.reshape(block_q, group, head_dim), mask=store_mask)
+            row_mask = lax.broadcast_in_dim(tokens < end_row, (block_q, group), (0,))
+            plgpu.store(m_ref.at[here], m.reshape(block_q, group), mask=row_mask)
+            plgpu.store(l_ref.at[here], l.reshape(block_q, group), mask=row_mask)
 
 
 def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, sm_scale, soft_cap, sliding_window,
-                 block_q, pages_per_block, num_warps, num_stages, interpret):
+                 block_q, pages_per_block, num_warps, num_stages, num_splits, interpret):
     item_seq, item_row = items
     t_pad, num_kv_heads, group, head_dim = q4.shape
     kv = [a for a in kv if a is not None]  # k, v pages, then the scales of quantized pages
     _, num_pages, page_size, _ = kv[0].shape
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
-                               max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h: (0,) * x.ndim)
-    kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h: (h, 0, 0))
-    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h: (0, h, 0, 0))
+                               max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4,
+                               num_splits=num_splits)
+    # Grid (item, KV head, split): the index maps ignore the split, except for the split outputs' own axis.
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, s: (0,) * x.ndim)
+    kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, s: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h, s: (h, 0, 0))
+    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, s: (0, h, 0, 0))
+    if num_splits == 1:
+        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
+    else:
+        out_specs = (pl.BlockSpec((None, t_pad, None, group, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
+                     *[pl.BlockSpec((None, t_pad, None, group), lambda i, h, s: (s, 0, h, 0))] * 2)
+        out_shape = (jax.ShapeDtypeStruct((num_splits, *q4.shape), jnp.float32),
+                     *[jax.ShapeDtypeStruct((num_splits, *q4.shape[:3]), jnp.float32)] * 2)
     return pl.pallas_call(
         kernel,
-        grid=(item_seq.shape[0], num_kv_heads),
+        grid=(item_seq.shape[0], num_kv_heads, num_splits),
         in_specs=[whole(item_seq), whole(item_row), whole(kv_lens), whole(cu_q_lens), whole(tables_flat),
                   q_spec, kv_spec, kv_spec] + [scale_spec] * (len(kv) - 2),
-        out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q4.shape, q4.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
     )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, *kv)
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+    """One output from the splits' partial softmax states: acc [S, ..., D] (unnormalized), running max m and
+    sum l [S, ...]. Each split's share is rescaled to the common max; a split that saw no key has l = 0."""
+    m_all = m.max(axis=0)
+    w = jnp.exp(m - m_all)  # [S, ...]
+    total = (w * l).sum(axis=0)
+    out = (w[..., None] * acc).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(dtype)
 
 
 def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.Array, jax.Array]:
@@ -169,12 +208,13 @@ def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
-                                             "pages_per_compute_block", "num_warps", "num_stages", "interpret"))
+                                             "pages_per_compute_block", "num_warps", "num_stages", "num_kv_splits",
+                                             "interpret"))
 def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                                page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                soft_cap: float | None = None, sliding_window: int | None = None,
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
-                               num_warps: int | None = None, num_stages: int = 2,
+                               num_warps: int | None = None, num_stages: int = 2, num_kv_splits: int = 1,
                                interpret: bool = False, k_scales: jax.Array | None = None,
                                v_scales: jax.Array | None = None) -> jax.Array:
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
@@ -186,6 +226,9 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       block_q: query tokens per program (a power of 2; default: `default_tiles`, at least 16 rows).
       pages_per_compute_block: pages per key block (default: `default_tiles`' keys; at least 16 keys).
       num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).
+      num_kv_splits: programs per item and KV head, each folding a contiguous share of the key blocks, merged
+        after the kernel (`merge_splits`): more programs in flight when a batch has few items and long
+        contexts (FlashDecoding's split-K). 1, the default, until a device run shows where more pays.
       interpret: run in Pallas interpret mode (CPU testing).
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
@@ -212,6 +255,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         raise ValueError(f"pages_per_compute_block must be a power of 2 for Triton, got {ppb}")
     if num_warps is None:
         num_warps = 8 if block_q * group_pad >= 128 else 4
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
 
     # One spare tile of rows, so a tile starting at any real row stays inside the array.
     q4 = q.reshape(tokens, num_kv_heads, group, head_dim)
@@ -223,7 +268,9 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                        (k_pages, v_pages, k_scales, v_scales), max_pages=tables.shape[1], sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret)
+                       num_splits=num_kv_splits, interpret=interpret)
+    if num_kv_splits > 1:
+        out = merge_splits(*out, q.dtype)
     out = out[:tokens, :, :group].reshape(tokens, num_heads, head_dim)
     # No program writes padding rows: whatever the output buffer held there is replaced by zeros.
     real = jnp.arange(tokens) < cu_q_lens[-1]

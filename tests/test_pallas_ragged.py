@@ -15,6 +15,7 @@ doubling the interpret-mode runs; and the reference on quantized pages against f
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -339,6 +340,32 @@ def test_triton_shape_limits_outside_interpret_mode(what, head_dim, page_size, k
 LOWERINGS = [("bfloat16", None), ("float32", None), ("bfloat16", "int8"), ("bfloat16", "fp8")]
 
 
+SPLIT_CASES = [c for c in CASES if c.name in ("decode-only", "mixed-prefix", "many-blocks", "many-blocks-window")]
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
+def test_triton_split_kv_matches_reference(case, splits):
+    """num_kv_splits > 1 (split-K): each item's key blocks are shared among programs and merged after the
+    kernel. Uneven shares (3 splits of 2-18 blocks), splits that get no block, sliding windows and padding
+    rows must all give the unsplit answer."""
+    args, _ = _setup(case)
+    opts = dict(_options(case), **(SMALL_BLOCKS["pallas-triton"] if case.blocks else {}))
+    got = interpreted(ragged_paged_attention_gpu)(*args, **opts, num_kv_splits=splits)
+    _assert_close(got, reference(*args, **_options(case)), case.dtype)
+    _assert_padding_zero(got, args[5])
+
+
+def test_triton_split_kv_over_quantized_pages():
+    case = next(c for c in CASES if c.name == "many-blocks-window")
+    args, _ = _setup(case)
+    q, k_pages, v_pages, *rest = args
+    (k, v), scales = quantize_pages(k_pages, v_pages, "int8")
+    opts = dict(_options(case), **SMALL_BLOCKS["pallas-triton"], **scales)
+    kernel = interpreted(ragged_paged_attention_gpu)
+    _assert_close(kernel(q, k, v, *rest, **opts, num_kv_splits=3), kernel(q, k, v, *rest, **opts), case.dtype)
+
+
 def test_triton_default_tiles_follow_the_batch_shape():
     """Decode-shaped batches (no more tokens than sequences) get tl.dot's minimum of 16 query rows, batches
     holding prefill chunks 64 rows for 2-byte queries and 32 for float32 (the choice measured on an H200:
@@ -362,6 +389,8 @@ def test_kernels_lower_for_real_hardware(platform, dtype, kv_dtype):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
                         abstract_device=AbstractDevice(device_kind=kind, num_cores=1, platform=dev_platform))
     kernel = ragged_paged_attention_gpu if platform == "cuda" else ragged_paged_attention_tpu
+    if platform == "cuda" and kv_dtype is None:  # the split-K grid and its three outputs lower too
+        kernel = functools.partial(kernel, num_kv_splits=4)
     shape = jax.ShapeDtypeStruct
     # A 96-token bucket over 6 sequences, 32 query / 8 KV heads, head_dim 128, 16-token pages.
     page_dtype = dtype if kv_dtype is None else KV_CACHE_DTYPES[kv_dtype]
