@@ -109,7 +109,7 @@ def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path)
     appended to each part: every part named runs in its own process and leaves its JSON under $OUT/<part>,
     and the exact8 part's lone decode runs in a one-token step while e2e8's runs padded to the engine's
     smallest default bucket (2 for bf16 on a CPU; 16 on a GPU)."""
-    tiny = "--interpret --e2e-tiny --e2e-decode-batches 1 --e2e-repeats 1"
+    tiny = "--interpret --e2e-tiny --e2e-decode-batches 1 --e2e-repeats 1 --e2e-layers 2"  # later flags win
     env = dict(os.environ, OUT=str(tmp_path), GPU_PARTS="e2e8 exact8", DEADLINE="300", GPU_EXTRA_ARGS=tiny,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env, capture_output=True,
@@ -120,7 +120,7 @@ def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path)
     buckets = {}
     for part in ("e2e8", "exact8"):
         details = json.loads((tmp_path / part / "gpu_kernels.json").read_text())
-        assert "--e2e-layers 8" in details["argv"] and all(c["ok"] for c in details["checks"])
+        assert "--e2e-check-dtypes bfloat16" in details["argv"] and all(c["ok"] for c in details["checks"])
         (decode,) = [r for r in details["timings"] if r["bench"] == "e2e decode"]
         assert decode["seqs"] == 1 and decode["compiles_while_timed"] == 0
         buckets[part] = decode["token_bucket"]
