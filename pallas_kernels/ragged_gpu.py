@@ -86,7 +86,8 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
     block_k = pages_per_block * page_size
     rows = block_q * group
     item = pl.program_id(0)
-    split = pl.program_id(2)  # read here: interpret mode cannot lower program_id inside pl.when's branch
+    # Read here: interpret mode cannot lower program_id inside pl.when's branch.
+    split = pl.program_id(2) if num_splits > 1 else 0
     seq = item_seq_ref[item]
 
     @pl.when(seq >= 0)
@@ -159,11 +160,12 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
                                max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4,
                                num_splits=num_splits)
-    # Grid (item, KV head, split): the index maps ignore the split, except for the split outputs' own axis.
-    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, s: (0,) * x.ndim)
-    kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, s: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h, s: (h, 0, 0))
-    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, s: (0, h, 0, 0))
+    # Grid (item, KV head), and a split axis when there are splits: the index maps ignore it, except for the
+    # split outputs' own axis. Unsplit, the grid stays two-dimensional: the kernel measured on the H200.
+    whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, *_: (0,) * x.ndim)
+    kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, *_: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h, *_: (h, 0, 0))
+    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
     if num_splits == 1:
         out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
     else:
@@ -173,7 +175,7 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
                      *[jax.ShapeDtypeStruct((num_splits, *q4.shape[:3]), jnp.float32)] * 2)
     return pl.pallas_call(
         kernel,
-        grid=(item_seq.shape[0], num_kv_heads, num_splits),
+        grid=(item_seq.shape[0], num_kv_heads) + ((num_splits,) if num_splits > 1 else ()),
         in_specs=[whole(item_seq), whole(item_row), whole(kv_lens), whole(cu_q_lens), whole(tables_flat),
                   q_spec, kv_spec, kv_spec] + [scale_spec] * (len(kv) - 2),
         out_specs=out_specs,
