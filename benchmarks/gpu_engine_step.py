@@ -24,11 +24,14 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
 6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
+7. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import time
 import traceback
 
@@ -58,6 +61,14 @@ def e2e_config(args, num_layers: int, vocab: int, max_len: int):
                        num_kv_heads=args.e2e_kv_heads, head_dim=args.e2e_head_dim, max_position_embeddings=max_len,
                        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype=args.e2e_dtype,
                        bos_token_id=1, eos_token_id=2)
+
+
+def with_kv_splits(attention, splits: int):
+    """The attention backend with the Triton kernel's num_kv_splits (`--e2e-kv-splits`); as is for 1."""
+    if splits == 1:
+        return attention
+    return dataclasses.replace(attention, name=f"{attention.name}, kv_splits={splits}",
+                               ragged=functools.partial(attention.ragged, num_kv_splits=splits))
 
 
 def e2e_build(engine_args, config, dtype, seed: int):
@@ -106,7 +117,8 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
     precision = jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
     with precision:
         built = e2e_build(engine_args, config, dtype, seed=5)
-        backends = {"reference": select_attention_backend("reference"), "kernel": built.attention}
+        backends = {"reference": select_attention_backend("reference"),
+                    "kernel": with_kv_splits(built.attention, args.e2e_kv_splits)}
         runners = {k: ModelRunner(built.model, built.model_config, built.cache_config, built.scheduler_config, b,
                                   built.dtype) for k, b in backends.items()}
         rng = np.random.default_rng(5)
@@ -188,6 +200,8 @@ class E2EModel:
                                  kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop)
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
+        # the kernel with split keys (if asked for) in the step programs the engine compiles
+        built = dataclasses.replace(built, attention=with_kv_splits(built.attention, args.e2e_kv_splits))
         jax.block_until_ready(built.model.params)
         self.build_s = time.perf_counter() - t0
         self.engine = Engine(engine_args, built=built)
@@ -346,7 +360,8 @@ def run_e2e(args, rows: list, checks: list) -> None:
 
     precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
         f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
-        f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "")
+        f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
+        f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits > 1 else "")
     guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 
     def need_model():
@@ -385,6 +400,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",
                      help="layers unrolled or under lax.scan (issue 28; auto unrolls on GPU): compare the "
                           "build+compile row and the decode rows of one run with each")
+    e2e.add_argument("--e2e-kv-splits", type=int, default=1,
+                     help="num_kv_splits of the Triton kernel in the timed model's step programs (split-K)")
     e2e.add_argument("--e2e-exact-buckets", action="store_true",
                      help="a token bucket for each decode row as given (default: raised to the engine's "
                           "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")

@@ -4,7 +4,8 @@
 #   1. kernels: the Triton kernel's correctness checks, then decode / prefill / mixed timings;
 #   2. the engine end to end in bf16 on an 8-layer Llama-3-8B-shaped model (greedy check first);
 #   3. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
-#   4-5. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27);
+#   4. split8: the kernel with num_kv_splits=4 in the step programs (split-K);
+#   5-6. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27);
 #   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled) and e2e32 (all 32 layers).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
 # check adds ~40 s: run gpu_kernels.py --sections e2e alone for it).
@@ -17,7 +18,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE=${DEADLINE:-540}
-PARTS=${GPU_PARTS:-"kernels e2e8 exact8 int8 fp8"}
+PARTS=${GPU_PARTS:-"kernels e2e8 exact8 split8 int8 fp8"}
 START=$SECONDS
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
@@ -36,6 +37,7 @@ part_args() {
     fp8)     echo "$E2E8 --e2e-quantization fp8 --e2e-kv-cache-dtype fp8" ;;
     scan8)   echo "$E2E8 --e2e-layer-loop scan" ;;
     exact8)  echo "$E2E8 --e2e-exact-buckets --e2e-decode-batches 1 16" ;;
+    split8)  echo "$E2E8 --e2e-kv-splits 4" ;;
     e2e32)   echo "--sections e2e --skip-checks --e2e-check-dtypes bfloat16" ;;
     *) echo "unknown part $1" >&2; return 1 ;;
   esac

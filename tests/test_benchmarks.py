@@ -106,22 +106,25 @@ def test_speculative_benchmark_s_retold_prompts_hold_the_model_s_own_answer(stor
 
 def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path):
     """benchmarks/gpu_session.sh, what a device call runs, dry-run on CPU with the interpret-mode flags
-    appended to each part: every part named runs in its own process and leaves its JSON under $OUT/<part>,
-    and the exact8 part's lone decode runs in a one-token step while e2e8's runs padded to the engine's
-    smallest default bucket (2 for bf16 on a CPU; 16 on a GPU)."""
+    appended to each part: every part named runs in its own process and leaves its JSON under $OUT/<part>;
+    the exact8 part's lone decode runs in a one-token step while e2e8's runs padded to the engine's
+    smallest default bucket (2 for bf16 on a CPU; 16 on a GPU); split8's engine runs the split-K kernel."""
     tiny = "--interpret --e2e-tiny --e2e-decode-batches 1 --e2e-repeats 1 --e2e-layers 2"  # later flags win
-    env = dict(os.environ, OUT=str(tmp_path), GPU_PARTS="e2e8 exact8", DEADLINE="300", GPU_EXTRA_ARGS=tiny,
+    env = dict(os.environ, OUT=str(tmp_path), GPU_PARTS="e2e8 exact8 split8", DEADLINE="300", GPU_EXTRA_ARGS=tiny,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
     log = (tmp_path / "session.log").read_text()
     assert done.returncode == 0, log[-3000:]
-    assert "== e2e8: exit 0" in log and "== exact8: exit 0" in log, log[-3000:]
+    assert all(f"== {part}: exit 0" in log for part in ("e2e8", "exact8", "split8")), log[-3000:]
     buckets = {}
-    for part in ("e2e8", "exact8"):
+    for part in ("e2e8", "exact8", "split8"):
         details = json.loads((tmp_path / part / "gpu_kernels.json").read_text())
         assert "--e2e-check-dtypes bfloat16" in details["argv"] and all(c["ok"] for c in details["checks"])
         (decode,) = [r for r in details["timings"] if r["bench"] == "e2e decode"]
         assert decode["seqs"] == 1 and decode["compiles_while_timed"] == 0
         buckets[part] = decode["token_bucket"]
-    assert buckets == {"e2e8": 2, "exact8": 1}  # e2e8 is bf16: padded to two tokens on a CPU
+    assert buckets == {"e2e8": 2, "exact8": 1, "split8": 2}  # bf16: padded to two tokens on a CPU
+    split = json.loads((tmp_path / "split8" / "gpu_kernels.json").read_text())
+    (check,) = split["checks"]  # the engine's greedy check ran the split kernel too
+    assert "kv_splits=4" in check["check"] and check["ok"]
