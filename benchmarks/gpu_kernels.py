@@ -204,25 +204,18 @@ def run_decode(args, rows: list) -> None:
 
             guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
 
-        for splits in args.decode_kv_splits if page_size == args.page_sizes[0] else []:
-            def measure_splits(splits=splits):  # the default tiles, each item's keys shared among programs
-                t = timed_kernel(batch, num_kv_splits=splits)
+        # At the first page size, the default tiles with keys split among programs, or a named query tile.
+        variants = [(f"kv_splits={n}", dict(num_kv_splits=n)) for n in args.decode_kv_splits] + [
+            (f"block_q={q}", dict(block_q=q)) for q in args.decode_block_q]
+        for name, opts in variants if page_size == args.page_sizes[0] else []:
+            def measure_variant(name=name, opts=opts):
+                t = timed_kernel(batch, **opts)
                 gbs = (kv_bytes + qo_bytes) / t / 1e9
-                print(f"  decode pages={page_size} kv_splits={splits}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
+                print(f"  decode pages={page_size} {name}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
                       f"({gbs / copy_gbs:.2f} of copy)", flush=True)
                 return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
 
-            guarded(rows, "decode kernel", f"pages={page_size} kv_splits={splits}", measure_splits)
-
-        for block_q in args.decode_block_q if page_size == args.page_sizes[0] else []:
-            def measure_block_q(block_q=block_q):  # the default key block, a named query tile
-                t = timed_kernel(batch, block_q=block_q)
-                gbs = (kv_bytes + qo_bytes) / t / 1e9
-                print(f"  decode pages={page_size} block_q={block_q}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
-                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
-                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
-
-            guarded(rows, "decode kernel", f"pages={page_size} block_q={block_q}", measure_block_q)
+            guarded(rows, "decode kernel", f"pages={page_size} {name}", measure_variant)
 
         def reference(batch=batch):
             fn = jax.jit(lambda *a: ragged_paged_attention_reference(*a, sm_scale=D ** -0.5))
