@@ -46,12 +46,14 @@ E2E_TINY = dict(e2e_layers=2, e2e_hidden=64, e2e_heads=4, e2e_kv_heads=2, e2e_he
                 e2e_vocab=512, e2e_context=24, e2e_decode_batches=[1, 2], e2e_prefill=32, e2e_steps=3,
                 e2e_repeats=1, e2e_warmup_steps=1, e2e_check_layers=2, e2e_check_prompts=[13, 5, 21],
                 e2e_check_steps=3, e2e_copy_mib=8)
+CHECK_TOLERANCES = {  # logits rel. error, and the reference's top-2 margin (in row std) that excuses a flip
+    "float32": (1e-3, 1e-3), "bfloat16": (5e-2, 0.1)}
+
+
 def build_reserve_s(layers: int) -> float:
     """Seconds --time-budget must still have left to start building the timed model (a guess: ~150 s for
     32 layers, most of it random init through the host and compiling the step programs)."""
     return 40 + 3.5 * layers
-CHECK_TOLERANCES = {  # logits rel. error, and the reference's top-2 margin (in row std) that excuses a flip
-    "float32": (1e-3, 1e-3), "bfloat16": (5e-2, 0.1)}
 
 
 def e2e_config(args, num_layers: int, vocab: int, max_len: int):
@@ -274,7 +276,7 @@ class E2EModel:
                    param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
                    window_ms=[w[0] * 1e3 for w in windows],
                    compiles_while_timed=engine.compilations_since_warmup - compiles,
-                   token_bucket=min(b for b in engine.scheduler_config.token_buckets if b >= n))
+                   token_bucket=engine.runner.compiler.layout_for(n).tokens)  # the program that ran it
         print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
               f"{t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
               f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)

@@ -167,6 +167,13 @@ def ragged_batch(seqs: list[tuple[int, int]], page_size: int, seed: int):
     return q, k_pages, v_pages, jnp.asarray(kv_lens, jnp.int32), tables, cu_q_lens
 
 
+def bandwidth_row(label: str, seconds: float, read_bytes: int, copy_gbs: float) -> dict:
+    """A timed kernel's row: ms, GB/s of the bytes it must read, and that over the copy yardstick's GB/s."""
+    gbs = read_bytes / seconds / 1e9
+    print(f"  {label}: {seconds * 1e3:.3f} ms, {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)", flush=True)
+    return dict(ms=seconds * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+
+
 def timed_kernel(args, **opts):
     def call(*a):
         return ragged_gpu.ragged_paged_attention_gpu(*a, sm_scale=D ** -0.5, interpret=gpu_common.INTERPRET, **opts)
@@ -195,12 +202,9 @@ def run_decode(args, rows: list) -> None:
             block = ppb * page_size
 
             def measure(ppb=ppb, block=block):
-                t = timed_kernel(batch, pages_per_compute_block=ppb)
                 read = 2 * b * KVH * (-(-ctx // block) * block) * D * itemsize + qo_bytes
-                gbs = read / t / 1e9
-                print(f"  decode pages={page_size} block={block}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
-                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
-                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+                return bandwidth_row(f"decode pages={page_size} block={block}",
+                                     timed_kernel(batch, pages_per_compute_block=ppb), read, copy_gbs)
 
             guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
 
@@ -209,11 +213,8 @@ def run_decode(args, rows: list) -> None:
             (f"block_q={q}", dict(block_q=q)) for q in args.decode_block_q]
         for name, opts in variants if page_size == args.page_sizes[0] else []:
             def measure_variant(name=name, opts=opts):
-                t = timed_kernel(batch, **opts)
-                gbs = (kv_bytes + qo_bytes) / t / 1e9
-                print(f"  decode pages={page_size} {name}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
-                      f"({gbs / copy_gbs:.2f} of copy)", flush=True)
-                return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+                return bandwidth_row(f"decode pages={page_size} {name}", timed_kernel(batch, **opts),
+                                     kv_bytes + qo_bytes, copy_gbs)
 
             guarded(rows, "decode kernel", f"pages={page_size} {name}", measure_variant)
 
@@ -253,11 +254,8 @@ def run_long_decode(args, rows: list) -> None:
     batch = ragged_batch([(1, ctx)] * b, page_size, seed=5)
     for splits in args.long_kv_splits:
         def measure(splits=splits):
-            t = timed_kernel(batch, num_kv_splits=splits)
-            gbs = read / t / 1e9
-            print(f"  long decode {b} x {ctx} kv_splits={splits}: {t * 1e3:.3f} ms, {gbs:.0f} GB/s "
-                  f"({gbs / copy_gbs:.2f} of copy)", flush=True)
-            return dict(ms=t * 1e3, gbs=gbs, ratio=gbs / copy_gbs)
+            return bandwidth_row(f"long decode {b} x {ctx} kv_splits={splits}",
+                                 timed_kernel(batch, num_kv_splits=splits), read, copy_gbs)
 
         guarded(rows, "long decode kernel", f"{b} x {ctx} kv_splits={splits}", measure)
     del batch
