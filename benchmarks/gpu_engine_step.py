@@ -20,7 +20,8 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
 4. Prefill (`E2EModel.prefill`): one 2048-token prompt on the idle engine (one step), tokens/s and useful
    TFLOP/s.
 5. Quantized variants (issue 27): `--e2e-quantization int8|fp8` (linear layers quantized at load; on a GPU
-   int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores) and `--e2e-kv-cache-dtype int8|fp8`; the
+   int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores; `--e2e-quantization-strategy weight_only`
+   keeps bf16 activations, the codes converted inside the matmul) and `--e2e-kv-cache-dtype int8|fp8`; the
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
 6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
@@ -199,6 +200,7 @@ class E2EModel:
         engine_args = EngineArgs(max_num_seqs=batches[-1], max_model_len=max_len, page_size=page,
                                  max_num_batched_tokens=budget, token_buckets=buckets,
                                  attention_backend=e2e_backend(), quantization=args.e2e_quantization,
+                                 quantization_strategy=args.e2e_quantization_strategy,
                                  kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop)
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
@@ -361,6 +363,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
         return dict(ms=min(times.values()) * 1e3, idle_ms={str(b): t * 1e3 for b, t in times.items()})
 
     precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
+        f" {args.e2e_quantization_strategy}" if args.e2e_quantization and args.e2e_quantization_strategy else "") + (
         f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
         f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
         f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits > 1 else "")
@@ -397,6 +400,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-page-size", type=int, default=16)
     e2e.add_argument("--e2e-quantization", choices=["int8", "fp8"], default=None,
                      help="quantize the timed model's linear layers at load (issue 27; default: --e2e-dtype)")
+    e2e.add_argument("--e2e-quantization-strategy", choices=["weight_only", "dynamic_int8", "dynamic_fp8"],
+                     default=None, help="how the quantized layers multiply (default: the backend's pick, "
+                                        "jaxserve.quantization.linear.default_strategy)")
     e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                      help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
     e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",

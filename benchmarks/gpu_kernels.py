@@ -18,7 +18,8 @@ Run from the repository root on the GPU machine (installs nothing; see "Time" be
    sizes 16/32/64 and a few key-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over
    time) and its ratio to a device-to-device copy of a buffer the size of K+V measured in the same run
    (copy GB/s = read + write); at the first page size also other query tiles (--decode-block-q) and keys
-   split among programs (--decode-kv-splits). Then int8 and fp8 pages at the default key block: their bytes
+   split among programs (--decode-kv-splits), more pipelining stages (--decode-num-stages, also with 2
+   splits) and more warps (--decode-num-warps). Then int8 and fp8 pages at the default key block: their bytes
    (codes plus 4-byte scales) over time, and their speed-up over bf16 pages. Then the latency case: one
    sequence of 32768 keys (--long-*) with num_kv_splits 1, 4, 16, 32.
 3. Prefill: one 2048-token first chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
@@ -209,8 +210,12 @@ def run_decode(args, rows: list) -> None:
             guarded(rows, "decode kernel", f"pages={page_size} block={block}", measure)
 
         # At the first page size, the default tiles with keys split among programs, or a named query tile.
-        variants = [(f"kv_splits={n}", dict(num_kv_splits=n)) for n in args.decode_kv_splits] + [
-            (f"block_q={q}", dict(block_q=q)) for q in args.decode_block_q]
+        variants = ([(f"kv_splits={n}", dict(num_kv_splits=n)) for n in args.decode_kv_splits]
+                    + [(f"block_q={q}", dict(block_q=q)) for q in args.decode_block_q]
+                    + [(f"num_stages={n}", dict(num_stages=n)) for n in args.decode_num_stages]
+                    + [(f"num_warps={n}", dict(num_warps=n)) for n in args.decode_num_warps]
+                    + [(f"num_stages={n} kv_splits=2", dict(num_stages=n, num_kv_splits=2))
+                       for n in args.decode_num_stages[-1:] if args.decode_kv_splits])
         for name, opts in variants if page_size == args.page_sizes[0] else []:
             def measure_variant(name=name, opts=opts):
                 return bandwidth_row(f"decode pages={page_size} {name}", timed_kernel(batch, **opts),
@@ -347,6 +352,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(8: 32 rows, the default before the tile followed the batch's shape)")
     parser.add_argument("--decode-kv-splits", type=int, nargs="*", default=[2, 4],
                         help="num_kv_splits the decode section also times at its first page size (split-K)")
+    parser.add_argument("--decode-num-stages", type=int, nargs="*", default=[3, 4],
+                        help="Triton software-pipelining stages (default 2) the decode section also times: more "
+                             "page gathers in flight")
+    parser.add_argument("--decode-num-warps", type=int, nargs="*", default=[8],
+                        help="warps per program (default 4 for a 16-row decode tile) the decode section also times")
     parser.add_argument("--long-batch", type=int, default=1, help="sequences of the long-context decode rows")
     parser.add_argument("--long-context", type=int, default=32768, help="their context (keys per sequence)")
     parser.add_argument("--long-kv-splits", type=int, nargs="*", default=[1, 4, 16, 32],

@@ -3,9 +3,10 @@
 # call returns before its timeout (METHOD.md: one prepared script, a table last, details under $OUT):
 #   1. kernels: the Triton kernel's correctness checks, then decode / prefill / mixed timings;
 #   2. the engine end to end in bf16 on an 8-layer Llama-3-8B-shaped model (greedy check first);
-#   3. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
-#   4. split8: the kernel with num_kv_splits=4 in the step programs (split-K);
-#   5-6. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27);
+#   3. split8: the kernel with num_kv_splits=4 in the step programs (split-K);
+#   4. int8wo: int8 weights run weight-only (bf16 activations, the codes converted in the matmul), bf16 KV;
+#   5. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
+#   6-7. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27, dynamic activations);
 #   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled) and e2e32 (all 32 layers).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
 # check adds ~40 s: run gpu_kernels.py --sections e2e alone for it).
@@ -18,7 +19,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE=${DEADLINE:-540}
-PARTS=${GPU_PARTS:-"kernels e2e8 exact8 split8 int8 fp8"}
+PARTS=${GPU_PARTS:-"kernels e2e8 split8 int8wo exact8 int8 fp8"}
 START=$SECONDS
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
@@ -34,6 +35,7 @@ part_args() {
     kernels) echo "--sections decode prefill mixed" ;;
     e2e8)    echo "$E2E8" ;;
     int8)    echo "$E2E8 --e2e-quantization int8 --e2e-kv-cache-dtype int8" ;;
+    int8wo)  echo "$E2E8 --e2e-quantization int8 --e2e-quantization-strategy weight_only" ;;
     fp8)     echo "$E2E8 --e2e-quantization fp8 --e2e-kv-cache-dtype fp8" ;;
     scan8)   echo "$E2E8 --e2e-layer-loop scan" ;;
     exact8)  echo "$E2E8 --e2e-exact-buckets --e2e-decode-batches 1 16" ;;
