@@ -25,7 +25,8 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
 6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
-7. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N.
+7. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N (at
+   most N: a sequence splits only into shares of at least 1024 keys); 1 turns the default split-K off.
 """
 
 from __future__ import annotations
@@ -66,9 +67,10 @@ def e2e_config(args, num_layers: int, vocab: int, max_len: int):
                        bos_token_id=1, eos_token_id=2)
 
 
-def with_kv_splits(attention, splits: int):
-    """The attention backend with the Triton kernel's num_kv_splits (`--e2e-kv-splits`); as is for 1."""
-    if splits == 1:
+def with_kv_splits(attention, splits: int | None):
+    """The attention backend with the Triton kernel's num_kv_splits (`--e2e-kv-splits`); as is for None (the
+    kernel's default, `ragged_gpu.default_kv_splits`)."""
+    if splits is None:
         return attention
     return dataclasses.replace(attention, name=f"{attention.name}, kv_splits={splits}",
                                ragged=functools.partial(attention.ragged, num_kv_splits=splits))
@@ -366,7 +368,8 @@ def run_e2e(args, rows: list, checks: list) -> None:
         f" {args.e2e_quantization_strategy}" if args.e2e_quantization and args.e2e_quantization_strategy else "") + (
         f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
         f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
-        f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits > 1 else "")
+        f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits is not None else "") + (
+        f", ctx {args.e2e_context}" if args.e2e_context != 1024 else "")
     guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 
     def need_model():
@@ -408,8 +411,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",
                      help="layers unrolled or under lax.scan (issue 28; auto unrolls on GPU): compare the "
                           "build+compile row and the decode rows of one run with each")
-    e2e.add_argument("--e2e-kv-splits", type=int, default=1,
-                     help="num_kv_splits of the Triton kernel in the timed model's step programs (split-K)")
+    e2e.add_argument("--e2e-kv-splits", type=int, default=None,
+                     help="num_kv_splits of the Triton kernel in the timed model's step programs (split-K; "
+                          "default: the kernel's, up to 16 in decode buckets; 1: unsplit)")
     e2e.add_argument("--e2e-exact-buckets", action="store_true",
                      help="a token bucket for each decode row as given (default: raised to the engine's "
                           "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")

@@ -13,15 +13,16 @@ Run from the repository root on the GPU machine (installs nothing; see "Time" be
    with ragged mixes (decodes, first prefill chunks, chunks over a cached prefix, padding sequences and
    padding rows, lengths 1 and page boundaries), plain and with soft_cap + sliding_window; and bfloat16
    queries over int8 and fp8 KV pages (per-token scales, `pallas_kernels/kv_quant.py`) against the
-   reference over the same quantized pages; bfloat16 once more with num_kv_splits=3.
+   reference over the same quantized pages; bfloat16 once more with num_kv_splits=3 (every share split).
 2. Decode: batch 64 x context 2048 (one row per sequence), 32 query / 8 KV heads, head_dim 128, bf16, page
    sizes 16/32/64 and a few key-block sizes. Reports HBM GB/s (K/V bytes the kernel reads + q + out, over
    time) and its ratio to a device-to-device copy of a buffer the size of K+V measured in the same run
    (copy GB/s = read + write); at the first page size also other query tiles (--decode-block-q) and keys
-   split among programs (--decode-kv-splits), more pipelining stages (--decode-num-stages, also with 2
-   splits) and more warps (--decode-num-warps). Then int8 and fp8 pages at the default key block: their bytes
+   split among programs (--decode-kv-splits; the default rows run the kernel's default, up to 4 splits of at
+   least 1024 keys at this bucket), more pipelining stages (--decode-num-stages, also with 2 splits) and
+   more warps (--decode-num-warps). Then int8 and fp8 pages at the default key block: their bytes
    (codes plus 4-byte scales) over time, and their speed-up over bf16 pages. Then the latency case: one
-   sequence of 32768 keys (--long-*) with num_kv_splits 1, 4, 16, 32.
+   sequence of 32768 keys (--long-*) with the default splits and num_kv_splits 1, 4, 16, 32.
 3. Prefill: one 2048-token first chunk (causal) with the same heads; TFLOP/s = 4 * D * H * T(T+1)/2 / time.
 4. Mixed: 60 decodes plus one 512-token chunk over a 512-token cached prefix in one ragged call, against the
    same decodes and the same chunk as two separate calls (the unified kernel should cost about their sum).
@@ -117,15 +118,17 @@ def run_checks(results: list) -> None:
         case = random_ragged_case(rng, list(q_lens), list(kv_lens), num_kv_heads=setup["kvh"], group=setup["group"],
                                   page_size=setup["s"], head_dim=setup["d"], max_pages=max_pages,
                                   padding_tokens=setup["padding"])
-        # bf16 once more with each item's keys split among 3 programs (num_kv_splits, merged after the kernel)
-        for dtype, splits in (("float32", 1), ("bfloat16", 1), ("bfloat16", 3)):
-            name = f"ragged {dtype} {setup['name']}" + (f" kv_splits={splits}" if splits > 1 else "")
+        # bf16 once more with each item's keys split among 3 programs (num_kv_splits, merged after the kernel),
+        # however short (min_keys_per_split=1); the others with the kernel's default splits
+        for dtype, splits in (("float32", None), ("bfloat16", None), ("bfloat16", 3)):
+            name = f"ragged {dtype} {setup['name']}" + (f" kv_splits={splits}" if splits else "")
+            split_opts = dict(num_kv_splits=splits, min_keys_per_split=1) if splits else {}
             try:
                 args = (jnp.asarray(case.q, dtype), jnp.asarray(case.paged.k_pages, dtype),
                         jnp.asarray(case.paged.v_pages, dtype), jnp.asarray(case.kv_lens),
                         jnp.asarray(case.paged.page_tables), jnp.asarray(case.cu_q_lens))
                 scale = setup["d"] ** -0.5
-                got = kernel(*args, sm_scale=scale, num_kv_splits=splits, **setup["opts"])
+                got = kernel(*args, sm_scale=scale, **split_opts, **setup["opts"])
                 with jax.default_matmul_precision("highest"):
                     want = jitted_reference(*args, sm_scale=scale, **setup["opts"])
                 padding_zero = not np.asarray(got[int(case.cu_q_lens[-1]):], np.float32).any()
@@ -215,7 +218,7 @@ def run_decode(args, rows: list) -> None:
                     + [(f"num_stages={n}", dict(num_stages=n)) for n in args.decode_num_stages]
                     + [(f"num_warps={n}", dict(num_warps=n)) for n in args.decode_num_warps]
                     + [(f"num_stages={n} kv_splits=2", dict(num_stages=n, num_kv_splits=2))
-                       for n in args.decode_num_stages[-1:] if args.decode_kv_splits])
+                       for n in args.decode_num_stages[-1:]])
         for name, opts in variants if page_size == args.page_sizes[0] else []:
             def measure_variant(name=name, opts=opts):
                 return bandwidth_row(f"decode pages={page_size} {name}", timed_kernel(batch, **opts),
@@ -257,12 +260,14 @@ def run_long_decode(args, rows: list) -> None:
     read = 2 * b * KVH * ctx * D * itemsize + 2 * b * H * D * itemsize
     copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
     batch = ragged_batch([(1, ctx)] * b, page_size, seed=5)
-    for splits in args.long_kv_splits:
-        def measure(splits=splits):
-            return bandwidth_row(f"long decode {b} x {ctx} kv_splits={splits}",
-                                 timed_kernel(batch, num_kv_splits=splits), read, copy_gbs)
+    for splits in [None, *args.long_kv_splits]:
+        name = f"kv_splits={splits or 'default'}"
 
-        guarded(rows, "long decode kernel", f"{b} x {ctx} kv_splits={splits}", measure)
+        def measure(splits=splits, name=name):
+            return bandwidth_row(f"long decode {b} x {ctx} {name}", timed_kernel(batch, num_kv_splits=splits),
+                                 read, copy_gbs)
+
+        guarded(rows, "long decode kernel", f"{b} x {ctx} {name}", measure)
     del batch
 
 
@@ -350,8 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-block-q", type=int, nargs="*", default=[8],
                         help="query tiles (tokens) the decode section also times at its first page size "
                              "(8: 32 rows, the default before the tile followed the batch's shape)")
-    parser.add_argument("--decode-kv-splits", type=int, nargs="*", default=[2, 4],
-                        help="num_kv_splits the decode section also times at its first page size (split-K)")
+    parser.add_argument("--decode-kv-splits", type=int, nargs="*", default=[1, 4],
+                        help="num_kv_splits the decode section also times at its first page size (split-K; "
+                             "the default rows use the kernel's default_kv_splits)")
     parser.add_argument("--decode-num-stages", type=int, nargs="*", default=[3, 4],
                         help="Triton software-pipelining stages (default 2) the decode section also times: more "
                              "page gathers in flight")

@@ -17,7 +17,11 @@
    share of its key blocks and stores its unnormalized sum with its running max and softmax sum, and
    `merge_splits` rescales the S shares to a common max after the kernel (FlashDecoding's split-K). A decode
    batch of few sequences otherwise runs one program per sequence and KV head, far fewer than the GPU's
-   multiprocessors.
+   multiprocessors. S is an upper bound: a sequence uses only as many splits as give each at least
+   `min_keys_per_split` keys (its other splits store an empty state), so short contexts are not split
+   however large S is. Decode-shaped batches default to S = `default_kv_splits` (up to 16, fewer for
+   larger buckets so the partial outputs stay small); measured on an H200 (docs/performance.md), one
+   sequence of 32768 keys took 1.128 ms unsplit and 0.136 / 0.108 ms with 16 / 32 splits.
 Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
 `[num_pages, page_size]` operand per KV head each for K and V), converted to q's dtype in registers, and
 the scales folded into the scores and the value weights.
@@ -28,8 +32,9 @@ of 16 rows and no arithmetic is spent on empty ones. A batch with more tokens th
 chunks, and 2-byte queries get 64-row tiles, so each K/V block is read once per 64 rows. Measured on an
 H200 (docs/performance.md) against the fixed 32 rows that were the default before, 128-key blocks in both:
 64 bf16 decodes over 2048 keys 0.30 ms against 0.34, a 2048-token prefill 0.32 ms against 0.57, and 60
-decodes with a 512-token chunk in one call 0.38 ms against 0.45. Float32 tiles stay at 32 rows and 64-key
-blocks, since they take twice the registers.
+decodes with a 512-token chunk in one call 0.38 ms against 0.45. Float32 tiles stay at 32 rows. Key blocks
+are 64 keys for every dtype: on the H200's second run they beat 128-key blocks for bf16 decode (0.281
+against 0.298 ms) and for the 64-row prefill tile (0.231 against 0.320 ms).
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ from pallas_kernels._paged_common import (
 
 MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 PREFILL_ROWS = {2: 64, 4: 32}  # query rows (tokens x group) per program by q's bytes; see the module docstring
+KEYS_PER_BLOCK = 64  # keys per compute block by default (module docstring)
+MAX_DEFAULT_SPLITS = 16  # split-K default for decode-shaped batches of up to SPLIT_TOKEN_BUDGET // 16 tokens
+SPLIT_TOKEN_BUDGET = 256  # tokens x default splits: bounds the float32 partial outputs merge_splits reads
+MIN_KEYS_PER_SPLIT = 1024  # a sequence splits its keys only into shares at least this long
 
 
 def default_tiles(tokens: int, num_seqs: int, group_pad: int, itemsize: int) -> tuple[int, int]:
@@ -64,7 +73,17 @@ def default_tiles(tokens: int, num_seqs: int, group_pad: int, itemsize: int) -> 
     for decode-shaped batches, a wide one for batches holding prefill chunks; 128-key blocks for 2-byte
     queries, 64 for float32 (twice the registers)."""
     rows = MIN_DOT_ROWS if tokens <= num_seqs else PREFILL_ROWS.get(itemsize, 32)
-    return max(1, rows // group_pad), 128 if itemsize <= 2 else 64
+    return max(1, rows // group_pad), KEYS_PER_BLOCK
+
+
+def default_kv_splits(tokens: int, num_seqs: int, interpret: bool) -> int:
+    """Split-K's upper bound when the caller names none: decode-shaped batches (no more tokens than
+    sequences) up to MAX_DEFAULT_SPLITS, fewer as the bucket grows (tokens x splits <= SPLIT_TOKEN_BUDGET);
+    batches holding prefill chunks have items enough and keep 1. Interpret mode (CPU tests) keeps 1: each
+    split is one more interpreted program, and the tests name their splits."""
+    if interpret or tokens > num_seqs:
+        return 1
+    return max(1, min(MAX_DEFAULT_SPLITS, SPLIT_TOKEN_BUDGET // max(tokens, 1)))
 
 
 def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 past the real items
@@ -79,7 +98,8 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written), or with
                    #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T_pad, group_pad]
                    sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
-                   pages_per_block: int, max_pages: int, precision, quantized: bool, num_splits: int):
+                   pages_per_block: int, max_pages: int, precision, quantized: bool, num_splits: int,
+                   min_blocks_per_split: int):
     k_scales_ref, v_scales_ref, *out_refs = refs if quantized else (None, None, *refs)
     _, group, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -103,7 +123,10 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
         else:
             start_blk = lax.div(jnp.maximum(first_row + offset - sliding_window + 1, 0), block_k)
         if num_splits > 1:  # this program's share of the key blocks: a contiguous run, maybe empty
-            per_split = lax.div(jnp.maximum(end_blk - start_blk, 0) + num_splits - 1, num_splits)
+            blocks = jnp.maximum(end_blk - start_blk, 0)
+            # Only as many splits as give each at least min_blocks_per_split blocks; the rest get none.
+            used = jnp.clip(lax.div(blocks + min_blocks_per_split - 1, min_blocks_per_split), 1, num_splits)
+            per_split = lax.div(blocks + used - 1, used)
             start_blk = start_blk + split * per_split
             end_blk = jnp.minimum(start_blk + per_split, end_blk)
 
@@ -151,7 +174,7 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
 
 
 def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, sm_scale, soft_cap, sliding_window,
-                 block_q, pages_per_block, num_warps, num_stages, num_splits, interpret):
+                 block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split, interpret):
     item_seq, item_row = items
     t_pad, num_kv_heads, group, head_dim = q4.shape
     kv = [a for a in kv if a is not None]  # k, v pages, then the scales of quantized pages
@@ -159,7 +182,7 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
                                max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4,
-                               num_splits=num_splits)
+                               num_splits=num_splits, min_blocks_per_split=min_blocks_per_split)
     # Grid (item, KV head), and a split axis when there are splits: the index maps ignore it, except for the
     # split outputs' own axis. Unsplit, the grid stays two-dimensional: the kernel measured on the H200.
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, *_: (0,) * x.ndim)
@@ -211,13 +234,13 @@ def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
                                              "pages_per_compute_block", "num_warps", "num_stages", "num_kv_splits",
-                                             "interpret"))
+                                             "min_keys_per_split", "interpret"))
 def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                                page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                soft_cap: float | None = None, sliding_window: int | None = None,
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
-                               num_warps: int | None = None, num_stages: int = 2, num_kv_splits: int = 1,
-                               interpret: bool = False, k_scales: jax.Array | None = None,
+                               num_warps: int | None = None, num_stages: int = 2, num_kv_splits: int | None = None,
+                               min_keys_per_split: int = MIN_KEYS_PER_SPLIT, interpret: bool = False, k_scales: jax.Array | None = None,
                                v_scales: jax.Array | None = None) -> jax.Array:
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
@@ -228,9 +251,10 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       block_q: query tokens per program (a power of 2; default: `default_tiles`, at least 16 rows).
       pages_per_compute_block: pages per key block (default: `default_tiles`' keys; at least 16 keys).
       num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).
-      num_kv_splits: programs per item and KV head, each folding a contiguous share of the key blocks, merged
-        after the kernel (`merge_splits`): more programs in flight when a batch has few items and long
-        contexts (FlashDecoding's split-K). 1, the default, until a device run shows where more pays.
+      num_kv_splits: at most this many programs per item and KV head, each folding a contiguous share of the
+        key blocks, merged after the kernel (`merge_splits`): more programs in flight when a batch has few
+        items and long contexts (FlashDecoding's split-K). Default: `default_kv_splits`.
+      min_keys_per_split: a sequence uses only as many of the splits as give each at least this many keys.
       interpret: run in Pallas interpret mode (CPU testing).
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
@@ -257,6 +281,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         raise ValueError(f"pages_per_compute_block must be a power of 2 for Triton, got {ppb}")
     if num_warps is None:
         num_warps = 8 if block_q * group_pad >= 128 else 4
+    if num_kv_splits is None:
+        num_kv_splits = default_kv_splits(tokens, num_seqs, interpret)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
 
@@ -266,11 +292,12 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
     num_items = max(1, -(-tokens // block_q) + min(num_seqs, tokens))
     tables = pad_page_table(page_tables, ppb)
+    split_blocks = max(1, -(-min_keys_per_split // (ppb * page_size)))  # blocks per split, at least
     out = _ragged_call(work_items(cu_q_lens, block_q, num_items), kv_lens, cu_q_lens, tables.reshape(-1), q4,
                        (k_pages, v_pages, k_scales, v_scales), max_pages=tables.shape[1], sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,
-                       num_splits=num_kv_splits, interpret=interpret)
+                       num_splits=num_kv_splits, min_blocks_per_split=split_blocks, interpret=interpret)
     if num_kv_splits > 1:
         out = merge_splits(*out, q.dtype)
     out = out[:tokens, :, :group].reshape(tokens, num_heads, head_dim)

@@ -351,9 +351,26 @@ def test_triton_split_kv_matches_reference(case, splits):
     rows must all give the unsplit answer."""
     args, _ = _setup(case)
     opts = dict(_options(case), **(SMALL_BLOCKS["pallas-triton"] if case.blocks else {}))
-    got = interpreted(ragged_paged_attention_gpu)(*args, **opts, num_kv_splits=splits)
+    got = interpreted(ragged_paged_attention_gpu)(*args, **opts, num_kv_splits=splits, min_keys_per_split=1)
     _assert_close(got, reference(*args, **_options(case)), case.dtype)
     _assert_padding_zero(got, args[5])
+
+
+def test_triton_split_kv_uses_only_splits_of_enough_keys():
+    """num_kv_splits is an upper bound: a sequence uses only the splits that get at least min_keys_per_split
+    keys, so in one batch short contexts stay whole while long ones split. Checked against the reference,
+    and against the same call with every share split, whose blocks are shared differently (a wrong share
+    rule drops or repeats blocks in one of them)."""
+    case = next(c for c in CASES if c.name == "many-blocks")
+    args, _ = _setup(case)
+    opts = dict(_options(case), **SMALL_BLOCKS["pallas-triton"])
+    kernel = interpreted(ragged_paged_attention_gpu)
+    block_keys = SMALL_BLOCKS["pallas-triton"]["pages_per_compute_block"] * args[1].shape[2]
+    want = reference(*args, **_options(case))
+    for min_keys in (3 * block_keys, 8 * block_keys, 10 ** 6):
+        got = kernel(*args, **opts, num_kv_splits=4, min_keys_per_split=min_keys)
+        _assert_close(got, want, case.dtype)
+        _assert_padding_zero(got, args[5])
 
 
 def test_triton_split_kv_over_quantized_pages():
@@ -363,19 +380,30 @@ def test_triton_split_kv_over_quantized_pages():
     (k, v), scales = quantize_pages(k_pages, v_pages, "int8")
     opts = dict(_options(case), **SMALL_BLOCKS["pallas-triton"], **scales)
     kernel = interpreted(ragged_paged_attention_gpu)
-    _assert_close(kernel(q, k, v, *rest, **opts, num_kv_splits=3), kernel(q, k, v, *rest, **opts), case.dtype)
+    _assert_close(kernel(q, k, v, *rest, **opts, num_kv_splits=3, min_keys_per_split=1),
+                  kernel(q, k, v, *rest, **opts), case.dtype)
 
 
 def test_triton_default_tiles_follow_the_batch_shape():
     """Decode-shaped batches (no more tokens than sequences) get tl.dot's minimum of 16 query rows, batches
     holding prefill chunks 64 rows for 2-byte queries and 32 for float32 (the choice measured on an H200:
-    pallas_kernels/ragged_gpu.py); 128-key blocks for 2-byte queries, 64 for float32."""
+    pallas_kernels/ragged_gpu.py); 64-key blocks, the faster on the H200 for both bf16 shapes."""
     tiles = ragged_gpu.default_tiles
-    assert tiles(64, 64, group_pad=4, itemsize=2) == (4, 128)  # 4 tokens x 4 heads = 16 rows
-    assert tiles(2048, 64, group_pad=4, itemsize=2) == (16, 128)  # 64 rows
+    assert tiles(64, 64, group_pad=4, itemsize=2) == (4, 64)  # 4 tokens x 4 heads = 16 rows
+    assert tiles(2048, 64, group_pad=4, itemsize=2) == (16, 64)  # 64 rows
     assert tiles(2048, 64, group_pad=4, itemsize=4) == (8, 64)  # 32 rows
-    assert tiles(1, 1, group_pad=1, itemsize=2) == (16, 128)
-    assert tiles(96, 6, group_pad=8, itemsize=2) == (8, 128)
+    assert tiles(1, 1, group_pad=1, itemsize=2) == (16, 64)
+    assert tiles(96, 6, group_pad=8, itemsize=2) == (8, 64)
+
+
+def test_triton_default_kv_splits_follow_the_bucket():
+    """Split-K by default only in decode-shaped batches, up to 16 splits, fewer as the bucket grows (tokens
+    x splits <= 256, which bounds the float32 partial outputs); prefill-shaped batches and interpret mode
+    keep one."""
+    splits = ragged_gpu.default_kv_splits
+    assert [splits(t, 256, interpret=False) for t in (1, 16, 32, 64, 128, 256)] == [16, 16, 8, 4, 2, 1]
+    assert splits(2048, 64, interpret=False) == 1  # holds prefill chunks
+    assert splits(16, 16, interpret=True) == 1
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", LOWERINGS, ids=[f"{d}-{k or 'float'}-pages" for d, k in LOWERINGS])
