@@ -431,5 +431,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-check-prompts", type=int, nargs="+", default=[150, 37, 300],
                      help="prompt lengths of the check's sequences (the last one is prefilled over two steps)")
     e2e.add_argument("--e2e-check-steps", type=int, default=6)
-    e2e.add_argument("--e2e-check-dtypes", nargs="+", choices=["float32", "bfloat16"],
-                     default=["float32", "bfloat16"])
+    e2e.add_argument("--e2e-check-dtypes", nargs="*", choices=["float32", "bfloat16"],
+                     default=["float32", "bfloat16"], help="dtypes of the greedy check (none: no check)")

@@ -8,7 +8,8 @@
 #   5. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
 #   6-7. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27, dynamic activations);
 #   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled), e2e32 (all 32 layers), and long8 /
-#   long8x1 (8192-token contexts with the kernel's default split keys / unsplit).
+#   long8x1 (8192-token contexts with the kernel's default split keys, greedy-checked over prompts long enough
+#   to split / unsplit, unchecked).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
 # check adds ~40 s: run gpu_kernels.py --sections e2e alone for it).
 # Each part is its own process with its own timeout, so one hang or crash costs only that part.
@@ -41,8 +42,8 @@ part_args() {
     scan8)   echo "$E2E8 --e2e-layer-loop scan" ;;
     exact8)  echo "$E2E8 --e2e-exact-buckets --e2e-decode-batches 1 16" ;;
     split8)  echo "$E2E8 --e2e-kv-splits 4" ;;
-    long8)   echo "$E2E8 --e2e-context 8192 --e2e-decode-batches 1 16" ;;
-    long8x1) echo "$E2E8 --e2e-context 8192 --e2e-decode-batches 1 16 --e2e-kv-splits 1" ;;
+    long8)   echo "$E2E8 --e2e-context 8192 --e2e-decode-batches 1 16 --e2e-check-prompts 1500 37 2100" ;;
+    long8x1) echo "$E2E8 --e2e-context 8192 --e2e-decode-batches 1 16 --e2e-kv-splits 1 --e2e-check-dtypes" ;;
     e2e32)   echo "--sections e2e --skip-checks --e2e-check-dtypes bfloat16" ;;
     *) echo "unknown part $1" >&2; return 1 ;;
   esac
