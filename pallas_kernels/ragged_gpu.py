@@ -70,8 +70,8 @@ MIN_KEYS_PER_SPLIT = 1024  # a sequence splits its keys only into shares at leas
 
 def default_tiles(tokens: int, num_seqs: int, group_pad: int, itemsize: int) -> tuple[int, int]:
     """(query tokens per program, keys per block) when the caller names neither: the smallest query tile
-    for decode-shaped batches, a wide one for batches holding prefill chunks; 128-key blocks for 2-byte
-    queries, 64 for float32 (twice the registers)."""
+    for decode-shaped batches, a wide one for batches holding prefill chunks (narrower for float32, which
+    takes twice the registers); KEYS_PER_BLOCK keys per block."""
     rows = MIN_DOT_ROWS if tokens <= num_seqs else PREFILL_ROWS.get(itemsize, 32)
     return max(1, rows // group_pad), KEYS_PER_BLOCK
 

@@ -39,7 +39,8 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     monkeypatch.setenv("OUT", str(tmp_path))
     argv = ["--interpret", "--batch", "2", "--context", "64", "--chunk", "32", "--mixed-decodes", "2",
             "--mixed-chunk", "16", "--page-sizes", "16", "--block-tokens", "16", "--prefill-blocks", "8x16",
-            "--long-context", "96", "--long-kv-splits", "1", "4", "--e2e-tiny"]
+            "--long-context", "96", "--long-kv-splits", "1", "4", "--decode-num-stages", "3", "--decode-num-warps",
+            "--e2e-tiny"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     table = out[out.index("\nchecks:"):]
@@ -51,7 +52,8 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     for prefix in ("e2e model ", "e2e idle step ", "e2e decode             1 seqs", "e2e decode             2 seqs",
                    "e2e prefill ", "decode kernel ", "decode kernel int8 pages", "decode kernel fp8 pages",
                    "prefill kernel ", "mixed: one call ", "long decode kernel ",
-                   "decode kernel          pages=16 kv_splits=2"):
+                   "decode kernel          pages=16 kv_splits=4", "decode kernel          pages=16 num_stages=3 ",
+                   "decode kernel          pages=16 num_stages=3 kv_splits=2", "long decode kernel     1 x 96 kv_splits=default"):
         assert any(line.startswith(prefix) for line in lines), prefix
 
     details = json.loads((tmp_path / "gpu_kernels.json").read_text())
