@@ -9,10 +9,17 @@
 3. `bench` times a jitted call (warm-up, then the median over repeats of back-to-back calls);
    `measure_copy` times the device-to-device copy whose GB/s (kept in COPY) every later ratio divides by.
 4. `record_check` turns a kernel output and its reference into a pass/fail check row, printed as it goes.
+5. `profile_summary` runs a few calls under `jax.profiler` and sums the trace's events per process and name:
+   on a GPU the device's kernels, per step, which is where a step's time goes.
 """
 
 from __future__ import annotations
 
+import collections
+import glob
+import gzip
+import json
+import tempfile
 import time
 import traceback
 
@@ -85,3 +92,32 @@ def record_check(results, name, got, want, dtype, padding_zero: bool) -> None:
     results.append(dict(check=name, ok=ok, max_abs_err=err, atol=atol, rtol=rtol, padding_zero=padding_zero))
     print(f"  {'ok  ' if ok else 'FAIL'} {name}: max |err| {err:.2e}"
           + ("" if padding_zero else ", padding rows NOT zero"), flush=True)
+
+
+def profile_summary(run, calls: int, top: int = 12) -> dict:
+    """Run `run()` (one step, say) `calls` times under the profiler and sum the trace's complete events by
+    process and name. Returns {process: {"busy_ms": per call, "top": [[name, ms per call, count per call],
+    ...]}}; Python frames are left out. On a GPU the device processes' events are its kernels and copies
+    (on a stream they do not nest, so busy_ms is the device's time); host events can nest, so a host
+    process's busy_ms overcounts."""
+    with tempfile.TemporaryDirectory() as trace_dir:  # not under $OUT: a call returns at most 8 files
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        try:
+            for _ in range(calls):
+                run()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    totals, counts = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") == "X" and not e["name"].startswith("$"):
+            where = process.get(e["pid"], str(e["pid"]))
+            totals[where][e["name"]] += e.get("dur", 0) / 1e3 / calls
+            counts[where][e["name"]] += 1 / calls
+    return {where: dict(busy_ms=sum(t.values()),
+                        top=[[name, ms, counts[where][name]] for name, ms in t.most_common(top)])
+            for where, t in totals.items()}

@@ -25,7 +25,10 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
 6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
-7. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N (at
+7. Where a decode step's time goes: after its timed windows, the decode row of --e2e-profile-batches runs
+   --e2e-profile-steps more steps under `jax.profiler`, and the trace's events are summed per process and
+   name (`gpu_common.profile_summary`): on a GPU, the device's busiest kernels per step.
+8. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N (at
    most N: a sequence splits only into shares of at least 1024 keys); 1 turns the default split-K off.
 """
 
@@ -265,6 +268,12 @@ class E2EModel:
                 jax.block_until_ready(engine.runner.kv_cache)
                 t = (time.perf_counter() - t0) / a.e2e_steps
                 windows.append((t, kv_first + n * (a.e2e_steps - 1) / 2))  # mean KV tokens read per step
+            profile = None
+            if n in a.e2e_profile_batches:  # after the timed windows, so the profiler cannot slow them
+                jax.block_until_ready(engine.runner.kv_cache)
+                profile = gpu_common.profile_summary(engine.step, a.e2e_profile_steps)
+                jax.block_until_ready(engine.runner.kv_cache)
+                print_profile(f"decode {n} seqs", profile)
             if engine.stats.prompt_tokens != prompt_tokens:
                 raise RuntimeError("a prefill ran inside the timed steps (a preemption?): not pure decode")
         finally:
@@ -280,7 +289,8 @@ class E2EModel:
                    param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
                    window_ms=[w[0] * 1e3 for w in windows],
                    compiles_while_timed=engine.compilations_since_warmup - compiles,
-                   token_bucket=engine.runner.compiler.layout_for(n).tokens)  # the program that ran it
+                   token_bucket=engine.runner.compiler.layout_for(n).tokens,  # the program that ran it
+                   **({"profile": profile} if profile else {}))
         print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
               f"{t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
               f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
@@ -314,6 +324,16 @@ class E2EModel:
         print(f"  prefill {tokens} tokens: {t * 1e3:.1f} ms, {tokens / t:.0f} tok/s, {flops / t / 1e12:.1f} TFLOP/s",
               flush=True)
         return dict(ms=t * 1e3, tok_s=tokens / t, tflops=flops / t / 1e12, times_ms=[x * 1e3 for x in times])
+
+
+def print_profile(label: str, profile: dict) -> None:
+    """The profile's busiest events per process, per step (device processes first: their time is the step's
+    device time)."""
+    for where in sorted(profile, key=lambda w: ("GPU" not in w and "TPU" not in w, w)):
+        summary = profile[where]
+        print(f"  profile, {label}, {where}: {summary['busy_ms']:.2f} ms of events per step", flush=True)
+        for name, ms, count in summary["top"]:
+            print(f"    {ms:8.3f} ms {count:6.1f}x  {name[:90]}", flush=True)
 
 
 def run_e2e(args, rows: list, checks: list) -> None:
@@ -418,6 +438,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a token bucket for each decode row as given (default: raised to the engine's "
                           "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
+    e2e.add_argument("--e2e-profile-batches", type=int, nargs="*", default=[16],
+                     help="decode rows whose steps are also profiled after timing (jax.profiler; the busiest "
+                          "kernels per step, printed and in the JSON)")
+    e2e.add_argument("--e2e-profile-steps", type=int, default=8, help="steps under the profiler")
     e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
                      help="running sequences of each decode row")
     e2e.add_argument("--e2e-steps", type=int, default=64, help="back-to-back decode steps per timed window")

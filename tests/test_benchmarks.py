@@ -40,7 +40,7 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     argv = ["--interpret", "--batch", "2", "--context", "64", "--chunk", "32", "--mixed-decodes", "2",
             "--mixed-chunk", "16", "--page-sizes", "16", "--block-tokens", "16", "--prefill-blocks", "8x16",
             "--long-context", "96", "--long-kv-splits", "1", "4", "--decode-num-stages", "3", "--decode-num-warps",
-            "--e2e-tiny"]
+            "--e2e-tiny", "--e2e-profile-batches", "2", "--e2e-profile-steps", "2"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     table = out[out.index("\nchecks:"):]
@@ -66,6 +66,10 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     for r in decode:  # a decode-only window at the context asked for, nothing compiled while timed
         assert r["tok_s"] > 0 and r["ratio"] > 0 and r["compiles_while_timed"] == 0
         assert r["mean_context"] >= 24 and r["kv_bytes_read"] > 0
+    # the 2-sequence row was profiled: the step program's events, per step, from the trace
+    assert "profile" not in decode[0]
+    (host,) = [p for where, p in decode[1]["profile"].items() if "CPU" in where]
+    assert host["busy_ms"] > 0 and any("step" in name for name, ms, count in host["top"])
     model = next(r for r in details["timings"] if r["bench"] == "e2e model")
     assert model["layers"] == 2 and model["param_bytes"] > 0 and model["backend"] == "pallas-triton (interpret)"
 
