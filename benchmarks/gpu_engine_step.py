@@ -30,6 +30,11 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    name (`gpu_common.profile_summary`): on a GPU, the device's busiest kernels per step.
 8. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N (at
    most N: a sequence splits only into shares of at least 1024 keys); 1 turns the default split-K off.
+9. Mixtures of experts (issue 29): `--e2e-experts E` builds a Qwen3-MoE-shaped model (QK-norm, every layer
+   routed, `--e2e-experts-per-token`, `--e2e-moe-intermediate`), whose grouped expert products run
+   `jax.lax.ragged_dot` on a GPU; its GB/s count the weights of the experts a step is expected to reach.
+   The session script's moe8 / dense8a parts are Qwen3-30B-A3B's shape at 8 layers and a dense model of its
+   active size, the issue's step-cost comparison.
 """
 
 from __future__ import annotations
@@ -61,13 +66,26 @@ def build_reserve_s(layers: int) -> float:
     return 40 + 3.5 * layers
 
 
-def e2e_config(args, num_layers: int, vocab: int, max_len: int):
+def e2e_config(args, num_layers: int, vocab: int, max_len: int, experts: bool = True):
+    """Llama's shape, or with --e2e-experts (unless `experts` is False) a Qwen3-MoE one (QK-norm, every
+    layer's MLP routed over experts)."""
     from jaxserve.config import ModelConfig
-    return ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=args.e2e_hidden,
+    moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=args.e2e_experts,
+               num_experts_per_tok=args.e2e_experts_per_token, moe_intermediate_size=args.e2e_moe_intermediate,
+               norm_topk_prob=True, sparse_layers=(True,) * num_layers) if args.e2e_experts and experts else {}
+    return ModelConfig(**{"model_type": "llama", **moe}, vocab_size=vocab, hidden_size=args.e2e_hidden,
                        intermediate_size=args.e2e_intermediate, num_layers=num_layers, num_heads=args.e2e_heads,
                        num_kv_heads=args.e2e_kv_heads, head_dim=args.e2e_head_dim, max_position_embeddings=max_len,
                        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype=args.e2e_dtype,
                        bos_token_id=1, eos_token_id=2)
+
+
+def expert_fraction_read(config, tokens: int) -> float:
+    """The expected share of a layer's experts that `tokens` tokens route to (uniform routing, as a random
+    model's is nearly): 1 - (1 - k / E) ** tokens. 1 for a dense model."""
+    if not config.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - config.num_experts_per_tok / config.num_experts) ** tokens
 
 
 def with_kv_splits(attention, splits: int | None):
@@ -120,7 +138,9 @@ def e2e_check(args, dtype_name: str, checks: list) -> None:
                              token_buckets=(bucket,), max_num_batched_tokens=bucket, attention_backend=e2e_backend(),
                              enable_prefix_caching=False)
     vocab = min(args.e2e_vocab, args.e2e_check_vocab)
-    config = e2e_config(args, args.e2e_check_layers, vocab, max_len)
+    # Dense even for --e2e-experts: the check is of the attention kernel, and top-k routing turns a rounding
+    # difference into a different expert (a bf16 MoE's logits differ by more than the dtype's tolerance).
+    config = e2e_config(args, args.e2e_check_layers, vocab, max_len, experts=False)
     # float32: full-precision matmuls everywhere (no tf32), so the kernel is the only difference left.
     precision = jax.default_matmul_precision("highest") if dtype == jnp.float32 else contextlib.nullcontext()
     with precision:
@@ -221,7 +241,12 @@ class E2EModel:
         self.param_bytes = precision.weight_bytes  # the measured model's, whatever --e2e-layers says
         self.embed_bytes = c.vocab_size * c.hidden_size * item  # gathered, not read whole (untied head)
         elements = sum(a.size for a in jax.tree.leaves(built.model.params))  # codes: one per weight
-        self.layer_params = elements - 2 * c.vocab_size * c.hidden_size - c.hidden_size
+        # The experts' gate, up and down projections: read only for the experts a step's tokens route to.
+        expert_params = c.num_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+        self.expert_bytes = expert_params * self.param_bytes / elements  # at the weights' mean bytes per element
+        # FLOPs per token: a token runs its top-k experts, not all of them
+        active = expert_params * c.num_experts_per_tok / c.num_experts if c.num_experts else 0
+        self.layer_params = elements - 2 * c.vocab_size * c.hidden_size - c.hidden_size - expert_params + active
         self.kv_bytes_per_token = precision.kv_token_bytes
         self.kv_cache_bytes = self.engine.runner.kv_cache.num_bytes
         self.rng = np.random.default_rng(1)
@@ -281,7 +306,8 @@ class E2EModel:
                 engine.abort(request_id)
             self.drain()
         t, kv_tokens = sorted(windows)[len(windows) // 2]
-        params_read = self.param_bytes - self.embed_bytes + n * self.config.hidden_size * self.dtype.itemsize
+        params_read = (self.param_bytes - self.embed_bytes + n * self.config.hidden_size * self.dtype.itemsize
+                       - self.expert_bytes * (1 - expert_fraction_read(self.config, n)))
         kv_read = kv_tokens * self.kv_bytes_per_token
         gbs = (params_read + kv_read) / t / 1e9
         copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
@@ -361,8 +387,10 @@ def run_e2e(args, rows: list, checks: list) -> None:
         check_budget(reserve=0 if gpu_common.INTERPRET else build_reserve_s(args.e2e_layers))
         m = model["m"] = E2EModel(args)
         c = m.config
-        print(f"  model: random Llama, hidden {c.hidden_size}, {c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
-              f"heads x {c.head_dim}, intermediate {c.intermediate_size}, vocab {c.vocab_size}: "
+        mlp = (f"{c.num_experts} experts (top {c.num_experts_per_tok}) of intermediate {c.moe_intermediate_size}"
+               if c.num_experts else f"intermediate {c.intermediate_size}")
+        print(f"  model: random {'Qwen3-MoE' if c.num_experts else 'Llama'}, hidden {c.hidden_size}, {c.num_layers} "
+              f"layers, {c.num_heads}/{c.num_kv_heads} heads x {c.head_dim}, {mlp}, vocab {c.vocab_size}: "
               f"{m.param_bytes / m.dtype.itemsize / 1e9:.2f}B parameters = {m.param_bytes / 1e9:.2f} GB "
               f"{m.dtype.name}; KV cache {m.kv_cache_bytes / 1e9:.2f} GB; attention {m.backend}; built in "
               f"{m.build_s:.1f} s, {len(m.engine.runner.layouts)} step programs compiled in {m.warmup_s:.1f} s",
@@ -389,6 +417,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
         f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
         f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
         f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits is not None else "") + (
+        f", {args.e2e_experts} experts top {args.e2e_experts_per_token}" if args.e2e_experts else "") + (
         f", ctx {args.e2e_context}" if args.e2e_context != 1024 else "")
     guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 
@@ -419,6 +448,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-head-dim", type=int, default=128)
     e2e.add_argument("--e2e-intermediate", type=int, default=14336)
     e2e.add_argument("--e2e-vocab", type=int, default=128256)
+    e2e.add_argument("--e2e-experts", type=int, default=0,
+                     help="a Qwen3-MoE-shaped model with this many experts per layer (0: dense Llama); its decode "
+                          "rows count the weights of the experts the step's tokens are expected to reach")
+    e2e.add_argument("--e2e-experts-per-token", type=int, default=8)
+    e2e.add_argument("--e2e-moe-intermediate", type=int, default=768)
     e2e.add_argument("--e2e-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     e2e.add_argument("--e2e-page-size", type=int, default=16)
     e2e.add_argument("--e2e-quantization", choices=["int8", "fp8"], default=None,

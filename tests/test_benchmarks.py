@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,6 +110,32 @@ def test_speculative_benchmark_s_retold_prompts_hold_the_model_s_own_answer(stor
         again = r.prompt[opening_len + 12:]
         assert opening[0] == 1 and 1 not in again and again == opening[1:]
         assert told == list(stories_llm.generate([opening], greedy)[0].outputs[0].token_ids)
+
+
+def test_gpu_script_builds_a_mixture_of_experts_and_counts_the_experts_its_steps_reach(capsys, monkeypatch,
+                                                                                        tmp_path):
+    """--e2e-experts (the session script's moe8 part, at tiny size): a Qwen3-MoE-shaped model through the
+    engine, its greedy check on the dense model of the same heads (top-k routing would turn a rounding
+    difference into another expert), and decode rows whose weight bytes count only the experts a step's
+    tokens are expected to reach: fewer at one sequence than at two."""
+    bench = load("gpu_kernels")
+    engine_step = load("gpu_engine_step")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--interpret", "--e2e-tiny", "--sections", "e2e", "--skip-checks", "--e2e-layers", "2",
+            "--e2e-check-dtypes", "float32", "--e2e-decode-batches", "1", "2", "--e2e-repeats", "1",
+            "--e2e-experts", "8", "--e2e-experts-per-token", "2", "--e2e-moe-intermediate", "32",
+            "--e2e-profile-batches"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "random Qwen3-MoE" in out and "8 experts (top 2)" in out
+    details = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    (check,) = details["checks"]
+    assert check["ok"]
+    one, two = [r for r in details["timings"] if r["bench"] == "e2e decode"]
+    assert 0 < one["param_bytes_read"] < two["param_bytes_read"]
+    config = engine_step.e2e_config(bench.parse_args(argv), 2, 512, 64)
+    assert engine_step.expert_fraction_read(config, 1) == pytest.approx(2 / 8)
+    assert engine_step.expert_fraction_read(config, 2) == pytest.approx(1 - (6 / 8) ** 2)
 
 
 def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path):
