@@ -121,3 +121,13 @@ def profile_summary(run, calls: int, top: int = 12) -> dict:
     return {where: dict(busy_ms=sum(t.values()),
                         top=[[name, ms, counts[where][name]] for name, ms in t.most_common(top)])
             for where, t in totals.items()}
+
+
+def print_profile(label: str, profile: dict) -> None:
+    """The profile's busiest events per process, per step (device processes first: their time is the step's
+    device time)."""
+    for where in sorted(profile, key=lambda w: ("GPU" not in w and "TPU" not in w, w)):
+        summary = profile[where]
+        print(f"  profile, {label}, {where}: {summary['busy_ms']:.2f} ms of events per step", flush=True)
+        for name, ms, count in summary["top"]:
+            print(f"    {ms:8.3f} ms {count:6.1f}x  {name[:90]}", flush=True)

@@ -37,7 +37,8 @@ Every section and part records its errors and goes on, so one broken configurati
 numbers; the JSON under $OUT is rewritten after each section, so a run cut short still leaves what it got.
 
 Files: this one holds sections 1-4, the command line and main(); gpu_common.py the run state and helpers
-both parts share (timing, the copy yardstick, the time budget, error rows); gpu_engine_step.py section 5.
+both parts share (timing, the copy yardstick, the time budget, error rows, the profile summary);
+gpu_engine_step.py section 5, and gpu_engine_args.py its --e2e-* options.
 
 Time (measured on an H200 on 2026-12-04, docs/performance.md): the kernel sections about 96 s, most of it
 Triton compiles; e2e with 8 layers 44-107 s (the check 10-30 s, random init 6-13 s, compiling the 4 step
@@ -70,6 +71,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import gpu_common  # noqa: E402
+import gpu_engine_args  # noqa: E402
 import gpu_engine_step  # noqa: E402
 from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa: E402
 from pallas_kernels import ragged_gpu  # noqa: E402
@@ -371,10 +373,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="query tiles the mixed section also times, after the default ones")
     parser.add_argument("--skip-checks", action="store_true", help="skip the kernel checks (not the e2e check)")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run in interpret mode (tiny sizes)")
-    gpu_engine_step.add_arguments(parser)  # the --e2e-* options, beside their section
+    gpu_engine_args.add_arguments(parser)  # the --e2e-* options of the e2e section
     args = parser.parse_args(argv)
     if args.e2e_tiny:
-        parser.set_defaults(**gpu_engine_step.E2E_TINY)
+        parser.set_defaults(**gpu_engine_args.E2E_TINY)
         args = parser.parse_args(argv)
     return args
 
