@@ -96,15 +96,18 @@ def record_check(results, name, got, want, dtype, padding_zero: bool) -> None:
 
 def profile_summary(run, calls: int, top: int = 12) -> dict:
     """Run `run()` (one step, say) `calls` times under the profiler and sum the trace's complete events by
-    process and name. Returns {process: {"busy_ms": per call, "top": [[name, ms per call, count per call],
-    ...]}}; Python frames are left out. On a GPU the device processes' events are its kernels and copies
-    (on a stream they do not nest, so busy_ms is the device's time); host events can nest, so a host
-    process's busy_ms overcounts."""
+    process and name. Returns {"wall_ms": per call, "processes": {process: {"busy_ms": per call, "top":
+    [[name, ms per call, count per call], ...]}}}; Python frames are left out. On a GPU the device processes'
+    events are its kernels and copies (on a stream they do not nest, so busy_ms is the device's time, and
+    far below wall_ms means the host keeps the device waiting); host events can nest, so a host process's
+    busy_ms overcounts. For wall_ms to cover the device's work, the last `run()` waits for it."""
     with tempfile.TemporaryDirectory() as trace_dir:  # not under $OUT: a call returns at most 8 files
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         try:
+            start = time.perf_counter()
             for _ in range(calls):
                 run()
+            wall_ms = (time.perf_counter() - start) * 1e3 / calls
         finally:
             jax.profiler.stop_trace()
         (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
@@ -118,16 +121,18 @@ def profile_summary(run, calls: int, top: int = 12) -> dict:
             where = process.get(e["pid"], str(e["pid"]))
             totals[where][e["name"]] += e.get("dur", 0) / 1e3 / calls
             counts[where][e["name"]] += 1 / calls
-    return {where: dict(busy_ms=sum(t.values()),
-                        top=[[name, ms, counts[where][name]] for name, ms in t.most_common(top)])
-            for where, t in totals.items()}
+    return dict(wall_ms=wall_ms, processes={
+        where: dict(busy_ms=sum(t.values()), top=[[name, ms, counts[where][name]] for name, ms in t.most_common(top)])
+        for where, t in totals.items()})
 
 
 def print_profile(label: str, profile: dict) -> None:
     """The profile's busiest events per process, per step (device processes first: their time is the step's
     device time)."""
-    for where in sorted(profile, key=lambda w: ("GPU" not in w and "TPU" not in w, w)):
-        summary = profile[where]
-        print(f"  profile, {label}, {where}: {summary['busy_ms']:.2f} ms of events per step", flush=True)
+    processes = profile["processes"]
+    for where in sorted(processes, key=lambda w: ("GPU" not in w and "TPU" not in w, w)):
+        summary = processes[where]
+        print(f"  profile, {label}, {where}: {summary['busy_ms']:.2f} ms of events per step "
+              f"(wall {profile['wall_ms']:.2f} ms per step under the profiler)", flush=True)
         for name, ms, count in summary["top"]:
             print(f"    {ms:8.3f} ms {count:6.1f}x  {name[:90]}", flush=True)

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a token bucket for each decode row as given (default: raised to the engine's "
                           "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
-    e2e.add_argument("--e2e-profile-batches", type=int, nargs="*", default=[16],
+    e2e.add_argument("--e2e-profile-batches", type=int, nargs="*", default=[1, 16],
                      help="decode rows whose steps are also profiled after timing (jax.profiler; the busiest "
                           "kernels per step, printed and in the JSON)")
     e2e.add_argument("--e2e-profile-steps", type=int, default=8, help="steps under the profiler")

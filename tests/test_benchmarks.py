@@ -70,8 +70,9 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
         assert r["mean_context"] >= 24 and r["kv_bytes_read"] > 0
     # the 2-sequence row was profiled: the step program's events, per step, from the trace
     assert "profile" not in decode[0]
-    (host,) = [p for where, p in decode[1]["profile"].items() if "CPU" in where]
-    assert host["busy_ms"] > 0 and any("step" in name for name, ms, count in host["top"])
+    profile = decode[1]["profile"]
+    (host,) = [p for where, p in profile["processes"].items() if "CPU" in where]
+    assert profile["wall_ms"] > 0 and host["busy_ms"] > 0 and any("step" in name for name, ms, count in host["top"])
     model = next(r for r in details["timings"] if r["bench"] == "e2e model")
     assert model["layers"] == 2 and model["param_bytes"] > 0 and model["backend"] == "pallas-triton (interpret)"
 
