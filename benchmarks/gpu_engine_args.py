@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a Qwen3-MoE-shaped model with this many experts per layer (0: dense Llama); its decode "
                           "rows count the weights of the experts the step's tokens are expected to reach")
     e2e.add_argument("--e2e-experts-per-token", type=int, default=8)
+    e2e.add_argument("--e2e-ngram", type=int, default=0, metavar="K",
+                     help="n-gram speculation with up to K drafts a step (0: off); tok/s counts kept drafts")
     e2e.add_argument("--e2e-moe-intermediate", type=int, default=768)
     e2e.add_argument("--e2e-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     e2e.add_argument("--e2e-page-size", type=int, default=16)

@@ -35,6 +35,10 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    `jax.lax.ragged_dot` on a GPU; its GB/s count the weights of the experts a step is expected to reach.
    The session script's moe8 / dense8a parts are Qwen3-30B-A3B's shape at 8 layers and a dense model of its
    active size, the issue's step-cost comparison.
+10. Speculation (issue 26): `--e2e-ngram K` runs the engine with n-gram drafts of up to K tokens; the
+   decode rows' tok/s count the tokens made, drafts kept included (a random model's greedy output loops,
+   which flatters n-gram drafts: the row shows the mechanics' cost and gain on the device, not a
+   workload's).
 """
 
 from __future__ import annotations
@@ -221,7 +225,10 @@ class E2EModel:
                                  max_num_batched_tokens=budget, token_buckets=buckets,
                                  attention_backend=e2e_backend(), quantization=args.e2e_quantization,
                                  quantization_strategy=args.e2e_quantization_strategy,
-                                 kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop)
+                                 kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop,
+                                 speculative_config=None if not args.e2e_ngram else dict(
+                                     method="ngram", num_speculative_tokens=args.e2e_ngram, prompt_lookup_min=2,
+                                     prompt_lookup_max=4))
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
         # the kernel with split keys (if asked for) in the step programs the engine compiles
@@ -247,7 +254,12 @@ class E2EModel:
         self.rng = np.random.default_rng(1)
 
     def prompt(self, length: int) -> list[int]:
-        return self.rng.integers(3, self.config.vocab_size, size=length).tolist()
+        """Random tokens; with --e2e-ngram a random 16-token phrase repeated, so the lookup has n-grams to
+        draft from (whether the drafts stand is the random model's business)."""
+        if not self.args.e2e_ngram:
+            return self.rng.integers(3, self.config.vocab_size, size=length).tolist()
+        phrase = self.rng.integers(3, self.config.vocab_size, size=16).tolist()
+        return (phrase * -(-length // 16))[:length]
 
     def drain(self, limit: int = 100_000) -> None:
         for _ in range(limit):
@@ -282,12 +294,13 @@ class E2EModel:
                     raise RuntimeError(f"{len(running)} sequences running, not {n} decoding")
                 kv_first = sum(r.num_computed + 1 for r in running)  # the next step's kv_lens, summed
                 jax.block_until_ready(engine.runner.kv_cache)
-                t0 = time.perf_counter()
+                made, t0 = engine.stats.generation_tokens, time.perf_counter()
                 for _ in range(a.e2e_steps):
                     engine.step()
                 jax.block_until_ready(engine.runner.kv_cache)
                 t = (time.perf_counter() - t0) / a.e2e_steps
-                windows.append((t, kv_first + n * (a.e2e_steps - 1) / 2))  # mean KV tokens read per step
+                made = (engine.stats.generation_tokens - made) / a.e2e_steps  # n, or more with drafts kept
+                windows.append((t, kv_first + made * (a.e2e_steps - 1) / 2, made))  # mean KV tokens read
             profile = None
             if n in a.e2e_profile_batches:  # after the timed windows, so the profiler cannot slow them
                 jax.block_until_ready(engine.runner.kv_cache)
@@ -307,20 +320,23 @@ class E2EModel:
             for request_id in ids:
                 engine.abort(request_id)
             self.drain()
-        t, kv_tokens = sorted(windows)[len(windows) // 2]
+        t, kv_tokens, made = sorted(windows)[len(windows) // 2]
         params_read = (self.param_bytes - self.embed_bytes + n * self.config.hidden_size * self.dtype.itemsize
                        - self.expert_bytes * (1 - expert_fraction_read(self.config, n)))
         kv_read = kv_tokens * self.kv_bytes_per_token
         gbs = (params_read + kv_read) / t / 1e9
         copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
-        row = dict(ms=t * 1e3, tok_s=n / t, gbs=gbs, ratio=gbs / copy_gbs, seqs=n, mean_context=kv_tokens / n,
+        row = dict(ms=t * 1e3, tok_s=made / t, tokens_per_step=made, gbs=gbs, ratio=gbs / copy_gbs, seqs=n, mean_context=kv_tokens / n,
                    param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
                    window_ms=[w[0] * 1e3 for w in windows],
                    compiles_while_timed=engine.compilations_since_warmup - compiles,
-                   token_bucket=engine.runner.compiler.layout_for(n).tokens,  # the program that ran it
+                   token_bucket=engine.runner.compiler.layout_for(n).tokens,  # the program of a plain step
+                   **(dict(drafts=engine.stats.spec_draft_tokens, drafts_kept=engine.stats.spec_accepted_tokens)
+                      if a.e2e_ngram else {}),  # over the engine's life so far
                    **({"profile": profile} if profile else {}))
         print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
-              f"{t * 1e3:.2f} ms/step, {n / t:.0f} tok/s, "
+              f"{t * 1e3:.2f} ms/step, {made / t:.0f} tok/s" + (f" ({made / n:.2f} tokens a sequence a step)"
+                                                                 if a.e2e_ngram else "") + ", "
               f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
         return row
 
@@ -410,6 +426,7 @@ def run_e2e(args, rows: list, checks: list) -> None:
         f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
         f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits is not None else "") + (
         f", {args.e2e_experts} experts top {args.e2e_experts_per_token}" if args.e2e_experts else "") + (
+        f", ngram {args.e2e_ngram}" if args.e2e_ngram else "") + (
         f", ctx {args.e2e_context}" if args.e2e_context != 1024 else "")
     guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
 

@@ -8,7 +8,8 @@
 #   5. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
 #   6-7. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27, dynamic activations);
 #   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled), e2e32 (all 32 layers), and long8 /
-#   moe8 / dense8a (Qwen3-30B-A3B's shape at 8 layers: 128 experts, top 8, and a dense model of its active
+#   spec8 (n-gram drafts of up to 4 tokens: issue 26 on the device), moe8 / dense8a (Qwen3-30B-A3B's
+#   shape at 8 layers: 128 experts, top 8, and a dense model of its active
 #   size: issue 29's step cost), long8 / long8x1 (8192-token contexts with the kernel's default split keys, greedy-checked over prompts long enough
 #   to split / unsplit, unchecked).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
@@ -44,6 +45,7 @@ part_args() {
     scan8)   echo "$E2E8 --e2e-layer-loop scan" ;;
     exact8)  echo "$E2E8 --e2e-exact-buckets --e2e-decode-batches 1 16" ;;
     split8)  echo "$E2E8 --e2e-kv-splits 4" ;;
+    spec8)   echo "$E2E8 --e2e-decode-batches 1 16 --e2e-ngram 4" ;;
     moe8)    echo "$E2E8 $A3B --e2e-experts 128 --e2e-experts-per-token 8 --e2e-moe-intermediate 768" ;;
     dense8a) echo "$E2E8 $A3B --e2e-intermediate 6144" ;;
     long8)   echo "$E2E8 --e2e-context 8192 --e2e-decode-batches 1 16 --e2e-check-prompts 1500 37 2100" ;;

@@ -139,6 +139,23 @@ def test_gpu_script_builds_a_mixture_of_experts_and_counts_the_experts_its_steps
     assert engine_step.expert_fraction_read(config, 2) == pytest.approx(1 - (6 / 8) ** 2)
 
 
+def test_gpu_script_speculates_and_counts_the_drafts_that_stand(capsys, monkeypatch, tmp_path):
+    """--e2e-ngram (the session script's spec8 part, at tiny size): prompts of a repeated phrase give the
+    lookup n-grams, drafts are verified in the engine's steps, and the decode row's tokens per second count
+    every token a step made, kept drafts included (not one a sequence a step)."""
+    bench = load("gpu_kernels")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--interpret", "--e2e-tiny", "--sections", "e2e", "--skip-checks", "--e2e-layers", "2",
+            "--e2e-check-dtypes", "--e2e-decode-batches", "1", "--e2e-repeats", "2", "--e2e-steps", "40",
+            "--e2e-ngram", "3", "--e2e-profile-batches"]
+    assert bench.main(argv) == 0
+    details = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    (row,) = [r for r in details["timings"] if r["bench"] == "e2e decode"]
+    assert row["drafts"] > 0 and 0 < row["drafts_kept"] <= row["drafts"]
+    assert row["tokens_per_step"] >= 1 and row["compiles_while_timed"] == 0  # the median window may keep none
+    assert row["tok_s"] == pytest.approx(row["tokens_per_step"] / row["ms"] * 1e3)
+
+
 def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path):
     """benchmarks/gpu_session.sh, what a device call runs, dry-run on CPU with the interpret-mode flags
     appended to each part: every part named runs in its own process and leaves its JSON under $OUT/<part>;
