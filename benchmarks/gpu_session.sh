@@ -7,11 +7,11 @@
 #   4. int8wo: int8 weights run weight-only (bf16 activations, the codes converted in the matmul), bf16 KV;
 #   5. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
 #   6-7. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27, dynamic activations);
-#   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled), e2e32 (all 32 layers), and long8 /
-#   spec8 (n-gram drafts of up to 4 tokens: issue 26 on the device), moe8 / dense8a (Qwen3-30B-A3B's
-#   shape at 8 layers: 128 experts, top 8, and a dense model of its active
-#   size: issue 29's step cost), long8 / long8x1 (8192-token contexts with the kernel's default split keys, greedy-checked over prompts long enough
-#   to split / unsplit, unchecked).
+#   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled), e2e32 (all 32 layers), spec8
+#   (n-gram drafts of up to 4 tokens: issue 26 on the device), moe8 / dense8a (Qwen3-30B-A3B's shape at 8
+#   layers: 128 experts, top 8, and a dense model of its active size: issue 29's step cost), long8 /
+#   long8x1 (8192-token contexts with the kernel's default split keys, greedy-checked over prompts long
+#   enough to split / unsplit, unchecked).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
 # check adds ~40 s: run gpu_kernels.py --sections e2e alone for it).
 # Each part is its own process with its own timeout, so one hang or crash costs only that part.
