@@ -2,16 +2,16 @@
 # One device call's worth of GPU checks, in order of what matters most, under one overall deadline so the
 # call returns before its timeout (METHOD.md: one prepared script, a table last, details under $OUT):
 #   1. kernels: the Triton kernel's correctness checks, then decode / prefill / mixed timings;
-#   2. the engine end to end in bf16 on an 8-layer Llama-3-8B-shaped model (greedy check first);
-#   3. split8: the kernel with num_kv_splits=4 in the step programs (split-K);
-#   4. int8wo: int8 weights run weight-only (bf16 activations, the codes converted in the matmul), bf16 KV;
-#   5. exact8: one-token decode steps, not padded to 16 (the A/B of smallest_token_bucket);
-#   6-7. int8 weights + int8 KV pages, then fp8 weights + fp8 KV pages (issue 27, dynamic activations);
-#   then, when GPU_PARTS names them: scan8 (layers scanned, not unrolled), e2e32 (all 32 layers), spec8
-#   (n-gram drafts of up to 4 tokens: issue 26 on the device), moe8 / dense8a (Qwen3-30B-A3B's shape at 8
-#   layers: 128 experts, top 8, and a dense model of its active size: issue 29's step cost), long8 /
-#   long8x1 (8192-token contexts with the kernel's default split keys, greedy-checked over prompts long
-#   enough to split / unsplit, unchecked).
+#   2. e2e8: the engine end to end in bf16 on an 8-layer Llama-3-8B-shaped model (greedy check first), its
+#      1- and 16-sequence decode steps profiled (where the time goes);
+#   3. spec8: the same with n-gram drafts of up to 4 tokens (issue 26 on the device);
+#   4-5. moe8 / dense8a: Qwen3-30B-A3B's shape at 8 layers (128 experts, top 8, ragged_dot) and a dense
+#      model of its active size (issue 29's step cost);
+#   6. exact8: one-token decode steps, not padded to 16, profiled (is the extra time the host's?);
+#   7. long8: 8192-token contexts with the kernel's default split keys, greedy-checked over long prompts.
+#   Also, when GPU_PARTS names them (measured in the leases so far, docs/performance.md): split8 (4 splits
+#   of every context), int8wo (int8 weights run weight-only), int8 / fp8 (int8 / fp8 weights and KV pages,
+#   dynamic activations), scan8 (layers scanned), long8x1 (long8 unsplit), e2e32 (all 32 layers).
 # The e2e parts check greedy tokens in bf16 only; the kernels part checks float32 kernels (the e2e float32
 # check adds ~40 s: run gpu_kernels.py --sections e2e alone for it).
 # Each part is its own process with its own timeout, so one hang or crash costs only that part.
@@ -23,7 +23,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_session}
 DEADLINE=${DEADLINE:-540}
-PARTS=${GPU_PARTS:-"kernels e2e8 split8 int8wo exact8 int8 fp8"}
+PARTS=${GPU_PARTS:-"kernels e2e8 spec8 moe8 dense8a exact8 long8"}
 START=$SECONDS
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
