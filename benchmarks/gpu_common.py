@@ -94,19 +94,22 @@ def record_check(results, name, got, want, dtype, padding_zero: bool) -> None:
           + ("" if padding_zero else ", padding rows NOT zero"), flush=True)
 
 
-def profile_summary(run, calls: int, top: int = 12) -> dict:
+def profile_summary(run, calls: int, top: int = 12, wait=None) -> dict:
     """Run `run()` (one step, say) `calls` times under the profiler and sum the trace's complete events by
     process and name. Returns {"wall_ms": per call, "processes": {process: {"busy_ms": per call, "top":
     [[name, ms per call, count per call], ...]}}}; Python frames are left out. On a GPU the device processes'
     events are its kernels and copies (on a stream they do not nest, so busy_ms is the device's time, and
     far below wall_ms means the host keeps the device waiting); host events can nest, so a host process's
-    busy_ms overcounts. For wall_ms to cover the device's work, the last `run()` waits for it."""
+    busy_ms overcounts. `wait()`, called after the last `run()`, waits for the device's work (asynchronous
+    calls return before it ends), so wall_ms covers it."""
     with tempfile.TemporaryDirectory() as trace_dir:  # not under $OUT: a call returns at most 8 files
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         try:
             start = time.perf_counter()
             for _ in range(calls):
                 run()
+            if wait is not None:
+                wait()
             wall_ms = (time.perf_counter() - start) * 1e3 / calls
         finally:
             jax.profiler.stop_trace()

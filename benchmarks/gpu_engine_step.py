@@ -303,16 +303,11 @@ class E2EModel:
                 windows.append((t, kv_first + made * (a.e2e_steps - 1) / 2, made))  # mean KV tokens read
             profile = None
             if n in a.e2e_profile_batches:  # after the timed windows, so the profiler cannot slow them
-                jax.block_until_ready(engine.runner.kv_cache)
-                steps = iter(range(a.e2e_profile_steps))
+                def wait():  # the cache each step leaves (the old one is donated to the next step)
+                    jax.block_until_ready(engine.runner.kv_cache)
 
-                def step():  # back to back, the last one waited for, so the wall time covers its device work
-                    engine.step()
-                    if next(steps) == a.e2e_profile_steps - 1:
-                        jax.block_until_ready(engine.runner.kv_cache)
-
-                profile = gpu_common.profile_summary(step, a.e2e_profile_steps)
-                jax.block_until_ready(engine.runner.kv_cache)
+                wait()
+                profile = gpu_common.profile_summary(engine.step, a.e2e_profile_steps, wait=wait)
                 gpu_common.print_profile(f"decode {n} seqs", profile)
             if engine.stats.prompt_tokens != prompt_tokens:
                 raise RuntimeError("a prefill ran inside the timed steps (a preemption?): not pure decode")
@@ -326,17 +321,17 @@ class E2EModel:
         kv_read = kv_tokens * self.kv_bytes_per_token
         gbs = (params_read + kv_read) / t / 1e9
         copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
-        row = dict(ms=t * 1e3, tok_s=made / t, tokens_per_step=made, gbs=gbs, ratio=gbs / copy_gbs, seqs=n, mean_context=kv_tokens / n,
-                   param_bytes_read=params_read, kv_bytes_read=kv_read, steps_per_window=a.e2e_steps,
-                   window_ms=[w[0] * 1e3 for w in windows],
+        row = dict(ms=t * 1e3, tok_s=made / t, tokens_per_step=made, gbs=gbs, ratio=gbs / copy_gbs, seqs=n,
+                   mean_context=kv_tokens / n, param_bytes_read=params_read, kv_bytes_read=kv_read,
+                   steps_per_window=a.e2e_steps, window_ms=[w[0] * 1e3 for w in windows],
                    compiles_while_timed=engine.compilations_since_warmup - compiles,
                    token_bucket=engine.runner.compiler.layout_for(n).tokens,  # the program of a plain step
                    **(dict(drafts=engine.stats.spec_draft_tokens, drafts_kept=engine.stats.spec_accepted_tokens)
                       if a.e2e_ngram else {}),  # over the engine's life so far
                    **({"profile": profile} if profile else {}))
+        per_sequence = f" ({made / n:.2f} tokens a sequence a step)" if a.e2e_ngram else ""
         print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
-              f"{t * 1e3:.2f} ms/step, {made / t:.0f} tok/s" + (f" ({made / n:.2f} tokens a sequence a step)"
-                                                                 if a.e2e_ngram else "") + ", "
+              f"{t * 1e3:.2f} ms/step, {made / t:.0f} tok/s{per_sequence}, "
               f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
         return row
 

@@ -68,11 +68,17 @@ SPLIT_TOKEN_BUDGET = 256  # tokens x default splits: bounds the float32 partial 
 MIN_KEYS_PER_SPLIT = 1024  # a sequence splits its keys only into shares at least this long
 
 
+def decode_shaped(tokens: int, num_seqs: int) -> bool:
+    """A static batch shape with no more tokens than sequences: each item is one decode token (as far as the
+    shape can tell), the case both default tiles and default splits are chosen for."""
+    return tokens <= num_seqs
+
+
 def default_tiles(tokens: int, num_seqs: int, group_pad: int, itemsize: int) -> tuple[int, int]:
     """(query tokens per program, keys per block) when the caller names neither: the smallest query tile
     for decode-shaped batches, a wide one for batches holding prefill chunks (narrower for float32, which
     takes twice the registers); KEYS_PER_BLOCK keys per block."""
-    rows = MIN_DOT_ROWS if tokens <= num_seqs else PREFILL_ROWS.get(itemsize, 32)
+    rows = MIN_DOT_ROWS if decode_shaped(tokens, num_seqs) else PREFILL_ROWS.get(itemsize, 32)
     return max(1, rows // group_pad), KEYS_PER_BLOCK
 
 
@@ -81,7 +87,7 @@ def default_kv_splits(tokens: int, num_seqs: int, interpret: bool) -> int:
     sequences) up to MAX_DEFAULT_SPLITS, fewer as the bucket grows (tokens x splits <= SPLIT_TOKEN_BUDGET);
     batches holding prefill chunks have items enough and keep 1. Interpret mode (CPU tests) keeps 1: each
     split is one more interpreted program, and the tests name their splits."""
-    if interpret or tokens > num_seqs:
+    if interpret or not decode_shaped(tokens, num_seqs):
         return 1
     return max(1, min(MAX_DEFAULT_SPLITS, SPLIT_TOKEN_BUDGET // max(tokens, 1)))
 
@@ -240,8 +246,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                soft_cap: float | None = None, sliding_window: int | None = None,
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
                                num_warps: int | None = None, num_stages: int = 2, num_kv_splits: int | None = None,
-                               min_keys_per_split: int = MIN_KEYS_PER_SPLIT, interpret: bool = False, k_scales: jax.Array | None = None,
-                               v_scales: jax.Array | None = None) -> jax.Array:
+                               min_keys_per_split: int = MIN_KEYS_PER_SPLIT, interpret: bool = False,
+                               k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:

@@ -55,7 +55,8 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
                    "e2e prefill ", "decode kernel ", "decode kernel int8 pages", "decode kernel fp8 pages",
                    "prefill kernel ", "mixed: one call ", "long decode kernel ",
                    "decode kernel          pages=16 kv_splits=4", "decode kernel          pages=16 num_stages=3 ",
-                   "decode kernel          pages=16 num_stages=3 kv_splits=2", "long decode kernel     1 x 96 kv_splits=default"):
+                   "decode kernel          pages=16 num_stages=3 kv_splits=2",
+                   "long decode kernel     1 x 96 kv_splits=default"):
         assert any(line.startswith(prefix) for line in lines), prefix
 
     details = json.loads((tmp_path / "gpu_kernels.json").read_text())
