@@ -26,7 +26,7 @@ QUANTIZATION_METHODS = ("none", "int8", "fp8")
 # How a step program runs the layers (`jaxserve/model/layer_loop.py`).
 LAYER_LOOPS = ("auto", "unroll", "scan")
 # What runs a CPU step program's matrix products (`jaxserve/execution/cpu_matmuls.py`).
-CPU_MATMUL_LIBRARIES = ("auto", "ynnpack", "eigen")
+CPU_MATMUL_LIBRARIES = ("auto", "ynnpack", "eigen", "ynnpack-feature-major")
 LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 with zero points
 
 

@@ -12,7 +12,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import LinearQuantization, ModelConfig
 from jaxserve.entrypoints.args import add_engine_args, engine_args_from
 from jaxserve.engine.builder import smallest_token_bucket, token_buckets_for
-from jaxserve.execution.cpu_matmuls import EIGEN_FROM_HIDDEN, compiler_options, resolve_cpu_matmuls
+from jaxserve.execution.cpu_matmuls import EIGEN_FROM_HIDDEN, FEATURE_MAJOR, compiler_options, resolve_cpu_matmuls
 
 
 def _config(hidden: int, quantized: bool = False) -> ModelConfig:
@@ -22,9 +22,10 @@ def _config(hidden: int, quantized: bool = False) -> ModelConfig:
     return dataclasses.replace(config, linear_quantization=spec)
 
 
-def test_auto_takes_eigen_for_float32_models_from_the_threshold_up():
+def test_auto_takes_feature_major_products_for_float32_models_from_the_threshold_up():
     big, small = _config(EIGEN_FROM_HIDDEN), _config(64)
-    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32) == "eigen"
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32) == FEATURE_MAJOR
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, devices=2) == "eigen"  # needs one device
     assert resolve_cpu_matmuls("auto", "cpu", small, jnp.float32) == "ynnpack"  # attention's tiny products
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.bfloat16) == "ynnpack"
     # int8 x int8 products run fast in YNNPACK only

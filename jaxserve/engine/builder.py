@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
+from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
 from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
@@ -31,7 +32,7 @@ from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights
-from jaxserve.loader.placement import ModuleReader, ShardedModel, scan_layers
+from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
@@ -185,7 +186,12 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype)
+    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
+                                  devices=model.plan.tp * model.plan.pp)
+    if matmuls == FEATURE_MAJOR:
+        start = time.perf_counter()
+        model = feature_major(model)
+        logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s", time.perf_counter() - start)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),

@@ -70,9 +70,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "lax.scan (compile time independent of depth), 'unroll' one copy per layer; 'auto' "
                         "unrolls on CPU (faster steps there) and scans on TPU and GPU")
     g.add_argument("--cpu-matmul-library", default=EngineArgs.cpu_matmul_library, choices=list(CPU_MATMUL_LIBRARIES),
-                   help="what runs a step's matrix products on a CPU: 'ynnpack' (XLA's default) or 'eigen'; "
-                        "'auto' takes Eigen for float32 models of hidden size 512 and up, faster there at "
-                        "batched decode (docs/performance.md)")
+                   help="what runs a step's matrix products on a CPU: 'ynnpack' (XLA's default), 'eigen', or "
+                        "'ynnpack-feature-major' (weights turned [out, in] at load, few-token products as W @ x.T); "
+                        "'auto' takes feature-major for float32 models of hidden size 512 and up on one device "
+                        "(Eigen on a mesh), faster there at batched decode (docs/performance.md)")
     add_scheduling_args(parser)
     g.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                    help="top logprobs a request may ask for, per sampled and per prompt token")

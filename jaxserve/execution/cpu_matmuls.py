@@ -9,8 +9,12 @@ goes to XLA's own dot path (Eigen's contraction). Measured on the 2-core develop
   small batched products (a few query heads against a block of keys, per sequence) dominate: YNNPACK
   runs those faster.
 - int8 x int8 -> int32 products (`--quantization int8`, dynamic strategy): 8x slower without YNNPACK.
-So `auto` takes Eigen for float32 weights from `EIGEN_FROM_HIDDEN` features up (no quantized layers), and
-XLA's default everywhere else. The choice is a compile option of the step programs (part of their cache
+On the Intel development machine one layout beat both: weights turned to [out, in] and each few-row product
+run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`, jaxserve/model/feature_major.py): the 124.7M model
+served 1.24x Eigen's output tok/s at 4 streams and 1.36x at 16, the same at 1, with the same greedy tokens
+(docs/performance.md, "Feature-major products"). So `auto` takes it for float32 weights from
+`EIGEN_FROM_HIDDEN` features up (no quantized layers) on one device, Eigen there on a mesh (the turned
+kernels would need turned partition rules), and XLA's default everywhere else. The choice is a compile option of the step programs (part of their cache
 keys), so it touches nothing else in the process. Reductions stay in YNNPACK either way: XLA's own
 emitter ran the attention's multiply-and-sum formulation 12x slower.
 
@@ -31,7 +35,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import CPU_MATMUL_LIBRARIES, ModelConfig
 
-EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) in Eigen
+EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) feature-major or in Eigen
+FEATURE_MAJOR = "ynnpack-feature-major"  # weights [out, in], each product W @ x.T (jaxserve/model/feature_major.py)
 YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 # XLA's default list is dots and reductions; this keeps the reductions only.
 EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}
@@ -39,15 +44,19 @@ EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}
 logger = logging.getLogger(__name__)
 
 
-def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype) -> str | None:
-    """'ynnpack' or 'eigen' on a CPU, None elsewhere (the option does not exist there)."""
+def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, devices: int = 1) -> str | None:
+    """'ynnpack', 'eigen' or 'ynnpack-feature-major' on a CPU, None elsewhere (the options do not exist
+    there). `devices`: the model's tensor x pipeline parallel size; feature-major layers need one."""
     if choice not in CPU_MATMUL_LIBRARIES:
         raise ValueError(f"cpu_matmul_library must be one of {', '.join(CPU_MATMUL_LIBRARIES)}, got {choice!r}")
     if platform != "cpu":
         return None
     if choice == "auto":
         float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
-        choice = "eigen" if float32 and config.hidden_size >= EIGEN_FROM_HIDDEN else "ynnpack"
+        wide = float32 and config.hidden_size >= EIGEN_FROM_HIDDEN
+        choice = "ynnpack" if not wide else FEATURE_MAJOR if devices == 1 else "eigen"
+    if choice == FEATURE_MAJOR and devices != 1:
+        raise ValueError(f"cpu_matmul_library {FEATURE_MAJOR!r} runs on one device, not on {devices}")
     if choice == "eigen" and not _xla_knows_the_option():
         logger.warning("this jaxlib's XLA:CPU has no %s option: matrix products stay in its default library",
                        YNN_FUSION_OPTION)
@@ -72,4 +81,5 @@ def compiler_options(library: str | None) -> dict[str, str]:
 
 def describe(library: str) -> str:
     """The resolved library as the startup log names it."""
-    return {"eigen": "Eigen (YNNPACK for reductions)", "ynnpack": "YNNPACK"}[library]
+    return {"eigen": "Eigen (YNNPACK for reductions)", "ynnpack": "YNNPACK",
+            FEATURE_MAJOR: "YNNPACK, feature-major (weights [out, in], each product W @ x.T)"}[library]

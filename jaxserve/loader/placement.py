@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.tree import ParamPath, flatten, set_path
+from jaxserve.model.feature_major import feature_major_linears
 from jaxserve.model.layer_loop import layer_period
 from jaxserve.model.registry import abstract_model
 from sharding.loading import Fill, InPlace, array_from_reader, stack_stages
@@ -226,3 +227,15 @@ def _stacker(sharding: NamedSharding):
     """arrays of `sharding` -> one array stacked on a new leading axis, kept whole; one jitted function per
     sharding, so groups of the same shape (q and o projections, gate and up) share its program."""
     return jax.jit(lambda *a: jnp.stack(a), out_shardings=NamedSharding(sharding.mesh, P(None, *sharding.spec)))
+
+
+def feature_major(model: ShardedModel) -> ShardedModel:
+    """The model with its linear layers feature-major (`jaxserve/model/feature_major.py`). Single device
+    only: under tensor or pipeline parallelism the kernels' partition specs would have to turn with them,
+    and a CPU serves from one device."""
+    if model.plan.tp * model.plan.pp != 1:
+        raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
+    module = nnx.merge(model.graphdef, model.params)
+    model.params = None  # the module holds the only references now: each old kernel is freed as it turns
+    graphdef, params = nnx.split(feature_major_linears(module))
+    return dataclasses.replace(model, graphdef=graphdef, params=params)

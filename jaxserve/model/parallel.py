@@ -41,11 +41,11 @@ def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis, extra: jax.Array 
     if axis is None:
         return linear(x) if extra is None else linear(x) + extra
     bias = linear.bias[...] if linear.bias is not None else None
-    if hasattr(linear, "project"):  # a QuantizedLinear: each shard quantizes its own slice of x
-        y = jax.lax.psum(linear.project(x), axis)
-        return y if bias is None else y + bias
-    x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
-    y = linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
+    if hasattr(linear, "project"):  # a QuantizedLinear (each shard quantizes its own slice of x), a FeatureMajorLinear
+        y = linear.project(x)
+    else:
+        x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
+        y = linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
     if extra is not None:
         y = y + extra
     y = jax.lax.psum(y, axis)

@@ -1,0 +1,90 @@
+"""Linear layers that run their product feature-major: weights stored [out, in], activations turned [in, tokens].
+
+XLA:CPU with YNNPACK runs `W @ X` (W [out, in], X [in, tokens]) much faster than the engine's `x @ W`
+(W [in, out]) for the few-token steps of decoding: the 124.7M model's 85 float32 products took 22-23 ms
+against 27-33 ms at 4 tokens and 32-33 against 44-50 at 16, the same at 1 (docs/performance.md, "The
+weight layout, measured again"; `benchmarks/cpu_matmul_layout.py`). The rest of the model stays
+token-major, so each product of a few rows is an island: transpose the activations in, multiply,
+transpose out. Steps of many rows (prefill) multiply `x @ W.T` directly, which was faster there.
+
+The two optimization barriers are what make the island work. Without them XLA's layout assignment
+folds the transposes into the dot and its neighbours, and picks the dot's slow form back (the 124.7M
+model's chain ran 4-6x slower at 4 tokens when a single transpose was left free at its end). With them
+the transposes stay two small copies of the activations ([tokens, features] floats) per product.
+
+`feature_major_linears(model)` turns a loaded model into this form once, after loading
+(`jaxserve/loader/placement.py`'s `feature_major`): every `nnx.Linear` of the decoder layers and the untied
+LM head becomes a `FeatureMajorLinear` holding its transposed kernel. The stored formats, the partition
+rules and the loader are untouched.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+# From this many rows up, `x @ W.T` straight (no barriers) was as fast or faster (the step's products in
+# one chain with [out, in] weights, YNNPACK: 62.7 against 63.2 ms at 64 tokens, 104.6 / 111.2 at 128,
+# 387 / 519 at 512, 1678 / 2295 at 2048), and from 256 up also faster than Eigen's `x @ W`.
+ISLAND_BELOW_ROWS = 64
+
+
+def feature_major_product(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """x [..., in] @ weight.T for weight [out, in] -> [..., out]: as weight @ x.T between barriers for a
+    few rows, as one dot contracting both operands' last axes for many (the row count is static)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] >= ISLAND_BELOW_ROWS:
+        product = jax.lax.dot_general(rows, weight, (((1,), (1,)), ((), ())))
+    else:
+        columns = jax.lax.optimization_barrier(rows.T)
+        product = jax.lax.optimization_barrier(weight @ columns).T
+    return product.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class FeatureMajorLinear(nnx.Module):
+    """An `nnx.Linear` with its kernel stored transposed (`weight` [out, in], as Hugging Face stores it)."""
+
+    def __init__(self, weight: jax.Array, bias: jax.Array | None):
+        self.weight = nnx.Param(weight)
+        self.bias = None if bias is None else nnx.Param(bias)
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """x @ W, without the bias (`parallel.row_parallel` adds it after its all-reduce)."""
+        return feature_major_product(self.weight[...], x.astype(self.weight.dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.project(x)
+        return y if self.bias is None else y + self.bias[...]
+
+
+def _turned(linear: nnx.Linear) -> FeatureMajorLinear:
+    kernel = linear.kernel[...]
+    linear.kernel = None  # the transposed copy replaces it: drop this reference as soon as it is made
+    bias = None if linear.bias is None else linear.bias[...]
+    # The last two axes: layers under lax.scan hold their kernels stacked [repeats, in, out].
+    return FeatureMajorLinear(jnp.swapaxes(kernel, -1, -2), bias)
+
+
+def _turn_linears(module: nnx.Module) -> None:
+    children = enumerate(module) if isinstance(module, nnx.List) else list(vars(module).items())
+    for key, child in children:
+        if isinstance(child, nnx.Linear):
+            turned = _turned(child)
+            if isinstance(module, nnx.List):
+                module[key] = turned
+            else:
+                setattr(module, key, turned)
+        elif isinstance(child, nnx.Module):
+            _turn_linears(child)
+
+
+def feature_major_linears(model: nnx.Module) -> nnx.Module:
+    """`model` (a decoder with concrete weights) with every `nnx.Linear` of its layers, and its untied LM
+    head, replaced in place by a `FeatureMajorLinear`; each old kernel is freed as its copy is made when
+    the caller holds no other reference to it."""
+    _turn_linears(model.layers)
+    if isinstance(getattr(model, "lm_head", None), nnx.Linear):
+        model.lm_head = _turned(model.lm_head)
+    return model

@@ -1,0 +1,69 @@
+"""Feature-major linear layers (`--cpu-matmul-library ynnpack-feature-major`, jaxserve/model/feature_major.py):
+the product in both of its forms, the turned model's tokens, unrolled and under lax.scan, and the
+row-parallel path every step takes inside its shard_map."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model import parallel
+from jaxserve.model.feature_major import ISLAND_BELOW_ROWS, FeatureMajorLinear, feature_major_product
+
+PROMPTS = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park to play with their ball and", ""]
+
+
+@pytest.mark.parametrize("rows", [1, 3, ISLAND_BELOW_ROWS - 1, ISLAND_BELOW_ROWS, 2 * ISLAND_BELOW_ROWS + 5])
+def test_the_product_is_x_times_the_transposed_weight_in_both_forms(rows):
+    rng = np.random.default_rng(rows)
+    weight = jnp.asarray(rng.standard_normal((48, 40), dtype=np.float32))  # [out, in]
+    x = jnp.asarray(rng.standard_normal((rows, 40), dtype=np.float32))
+    got = jax.jit(feature_major_product)(weight, x)
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(weight).T, rtol=1e-5, atol=1e-5)
+    # leading axes are kept, and the row count that picks the form is their product
+    np.testing.assert_allclose(jax.jit(feature_major_product)(weight, x.reshape(1, rows, 40)), got[None], rtol=1e-6)
+
+
+def test_row_parallel_adds_the_extra_term_of_a_layer_with_its_own_product():
+    """Inside the step's shard_map `row_parallel` calls `project` and adds the partial sum `extra` (a LoRA
+    term) before its all-reduce and the bias after it."""
+    rng = np.random.default_rng(0)
+    weight = jnp.asarray(rng.standard_normal((6, 5), dtype=np.float32))
+    bias, x = jnp.arange(6, dtype=jnp.float32), jnp.asarray(rng.standard_normal((3, 5), dtype=np.float32))
+    extra = jnp.full((3, 6), 0.5, jnp.float32)
+    linear = FeatureMajorLinear(weight, bias)
+    mesh = jax.make_mesh((1,), ("tensor",))
+    run = jax.shard_map(lambda x, e: parallel.row_parallel(linear, x, "tensor", e), mesh=mesh,
+                        in_specs=(P(), P()), out_specs=P())
+    expected = np.asarray(x) @ np.asarray(weight).T + 0.5 + np.asarray(bias)
+    np.testing.assert_allclose(run(x, extra), expected, rtol=1e-5)
+    np.testing.assert_allclose(linear(x), expected - 0.5, rtol=1e-5)
+
+
+def _kernels_and_weights(llm) -> tuple[int, int]:
+    names = [str(path[-1]) for path, _ in nnx.to_flat_state(llm.engine.runner.params)]
+    return names.count("kernel"), names.count("weight")
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_a_feature_major_engine_gives_the_same_tokens(stories_dir, stories_llm, layer_loop):
+    """stories260K (its own engine takes YNNPACK's `x @ W`) turned feature-major: 4-token decode steps run
+    the barrier islands, 64-token prefill steps the direct product; the greedy tokens do not change."""
+    turned = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64),
+                 cpu_matmul_library="ynnpack-feature-major", layer_loop=layer_loop)
+    kernels, _ = _kernels_and_weights(stories_llm)
+    assert kernels > 0 and _kernels_and_weights(turned)[0] == 0  # every linear layer turned (tied head: none)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    assert ([o.outputs[0].token_ids for o in turned.generate(PROMPTS, greedy)] ==
+            [o.outputs[0].token_ids for o in stories_llm.generate(PROMPTS, greedy)])
+    assert turned.engine.compilations_since_warmup == 0
+
+
+def test_feature_major_layers_refuse_a_mesh():
+    from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR, resolve_cpu_matmuls
+    from tests.test_cpu_matmuls import _config
+    with pytest.raises(ValueError, match="one device"):
+        resolve_cpu_matmuls(FEATURE_MAJOR, "cpu", _config(64), jnp.float32, devices=2)
