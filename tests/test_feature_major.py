@@ -43,19 +43,23 @@ def test_row_parallel_adds_the_extra_term_of_a_layer_with_its_own_product():
     np.testing.assert_allclose(linear(x), expected - 0.5, rtol=1e-5)
 
 
-def _kernels_and_weights(llm) -> tuple[int, int]:
-    names = [str(path[-1]) for path, _ in nnx.to_flat_state(llm.engine.runner.params)]
-    return names.count("kernel"), names.count("weight")
+def _param_names(llm) -> list[str]:
+    return ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(llm.engine.runner.params)]
 
 
 @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
 def test_a_feature_major_engine_gives_the_same_tokens(stories_dir, stories_llm, layer_loop):
     """stories260K (its own engine takes YNNPACK's `x @ W`) turned feature-major: 4-token decode steps run
-    the barrier islands, 64-token prefill steps the direct product; the greedy tokens do not change."""
+    the barrier islands, 64-token prefill steps the direct product, q/k/v and gate/up fused; the greedy
+    tokens do not change."""
     turned = LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(4, 64),
                  cpu_matmul_library="ynnpack-feature-major", layer_loop=layer_loop)
-    kernels, _ = _kernels_and_weights(stories_llm)
-    assert kernels > 0 and _kernels_and_weights(turned)[0] == 0  # every linear layer turned (tied head: none)
+    assert any(name.endswith("kernel") for name in _param_names(stories_llm))
+    names = _param_names(turned)
+    assert not any(name.endswith("kernel") for name in names)  # every linear layer turned (the head is tied)
+    # q, k, v and gate, up as one product each; o and down on their own
+    assert "layers/0/self_attn/fused_projections/weight" in names and "layers/0/mlp/fused_projections/weight" in names
+    assert "layers/0/self_attn/o_proj/weight" in names and "layers/0/self_attn/q_proj/weight" not in names
     greedy = SamplingParams(temperature=0, max_tokens=32)
     assert ([o.outputs[0].token_ids for o in turned.generate(PROMPTS, greedy)] ==
             [o.outputs[0].token_ids for o in stories_llm.generate(PROMPTS, greedy)])
@@ -67,3 +71,26 @@ def test_feature_major_layers_refuse_a_mesh():
     from tests.test_cpu_matmuls import _config
     with pytest.raises(ValueError, match="one device"):
         resolve_cpu_matmuls(FEATURE_MAJOR, "cpu", _config(64), jnp.float32, devices=2)
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_untied", "qwen2_bias", "gemma2_softcap", "qwen3_moe"])
+def test_feature_major_steps_match_transformers(case):
+    """The parity fixtures' golden float32 logits within 1e-4, turned: an untied LM head, q/k/v biases
+    fused with their projections, Gemma's gated MLP, a mixture of experts (attention and router turned,
+    experts as they are); one-token decodes in the 8-token bucket (islands), prefill chunks in 64."""
+    from tests.test_parity import FIXTURES, check_parity, make_runner
+    check_parity(make_runner(case, token_buckets=(8, 64), feature_major=True),
+                 np.load(FIXTURES / case / "golden.npz"), mixed=True)
+
+
+def test_feature_major_layers_with_lora_adapters_match_peft():
+    """LoRA terms are added to the fused projections' slices and, for o and down, before the all-reduce."""
+    from tests.test_lora_parity import ADAPTERS, check, load_into, make_runner as lora_runner, run_sequences
+    runner = lora_runner(feature_major=True)
+    runner.warmup()
+    load_into(runner, {1: "r8_all", 2: "r4_qv", 3: "r4_mlp_alpha4", 4: "r8_rslora_attn"})
+    cases = [("base", 0), ("r4_qv", 2), ("r8_all", 1), ("r4_mlp_alpha4", 3), ("r8_rslora_attn", 4)]
+    assert {name for name, _ in cases} >= set(ADAPTERS)
+    results = run_sequences(runner, cases)
+    for i, (name, _) in enumerate(cases):
+        check(results[i], name)

@@ -19,6 +19,7 @@ import pytest
 from jaxserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from jaxserve.execution.runner import ModelRunner
 from jaxserve.loader.load import load_sharded
+from jaxserve.loader import placement
 from jaxserve.loader.placement import scan_layers
 from jaxserve.lora.adapter import load_adapter
 from jaxserve.lora.slots import LoRASlots
@@ -35,13 +36,15 @@ MAX_RANK = 8
 
 
 def make_runner(parallel: ParallelConfig = ParallelConfig(), layer_loop: str = "unroll",
-                token_buckets: tuple[int, ...] = (6, 152)) -> ModelRunner:
+                token_buckets: tuple[int, ...] = (6, 152), feature_major: bool = False) -> ModelRunner:
     config = ModelConfig.from_pretrained(LORA / "base")
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(LORA / "base", config, jnp.float32, plan)
     if layer_loop == "scan":
         model = scan_layers(model)
+    if feature_major:  # the CPU's turned linear layers (jaxserve/model/feature_major.py)
+        model = placement.feature_major(model)
     # Token buckets no other test uses (the run shares one compilation cache): decodes of six sequences,
     # and prefill chunks of them.
     return ModelRunner(model, config, CacheConfig(page_size=PAGE_SIZE, num_pages=96),

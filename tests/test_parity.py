@@ -21,6 +21,7 @@ from jaxserve.execution.runner import ModelRunner
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 from jaxserve.loader.load import load_sharded
+from jaxserve.loader import placement
 from jaxserve.loader.placement import scan_layers
 from pallas_kernels.dispatch import select_attention_backend
 from sharding import ParallelConfig, make_plan
@@ -40,13 +41,16 @@ def test_every_supported_model_type_has_a_fixture():
 
 
 def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = ParallelConfig(),
-                layer_loop: str = "unroll", token_buckets: tuple[int, ...] = (64,)) -> ModelRunner:
+                layer_loop: str = "unroll", token_buckets: tuple[int, ...] = (64,),
+                feature_major: bool = False) -> ModelRunner:
     config = ModelConfig.from_pretrained(FIXTURES / case)
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(FIXTURES / case, config, jnp.float32, plan)
     if layer_loop == "scan":
         model = scan_layers(model)
+    if feature_major:  # the CPU's turned linear layers (jaxserve/model/feature_major.py)
+        model = placement.feature_major(model)
     # One step program, the budget: prefill chunks, and the decodes (with the companions: up to 7 tokens)
     # padded to it. Parity is about the model's arithmetic, which is the same in every bucket; bucket
     # choice is the engine tests' subject. The alone and mixed runs of a case share it, compiled once per

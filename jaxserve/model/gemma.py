@@ -25,7 +25,7 @@ from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.model import parallel
 from jaxserve.model.activations import ACTIVATIONS
 from jaxserve.model.decoder import init_decoder
-from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM
+from jaxserve.model.llama import MLP, Attention, LlamaForCausalLM, project_group
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import inverse_frequencies, rope_cos_sin
 
@@ -51,7 +51,8 @@ class GatedMLP(MLP):
         self.hidden_act = config.hidden_act
 
     def __call__(self, x, tp_axis: Axis = None):
-        gated = ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x)
+        gate, up = project_group(self, x, None, ("gate_proj", "up_proj"))
+        gated = ACTIVATIONS[self.hidden_act](gate) * up
         return parallel.row_parallel(self.down_proj, gated, tp_axis)
 
 

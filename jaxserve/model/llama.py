@@ -48,6 +48,15 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
+def project_group(module: nnx.Module, x: jax.Array, lora: LayerLoRA | None, names: tuple[str, ...]):
+    """The projections `names` of `module` over the same x, with their LoRA terms: one product when the
+    module holds them fused (`fused_projections`, made by jaxserve/model/feature_major.py), else one each."""
+    fused = getattr(module, "fused_projections", None)
+    if fused is None or fused.names != names:
+        return [project(getattr(module, name), x, lora, name) for name in names]
+    return [y if (d := delta(lora, name, x)) is None else y + d for y, name in zip(fused.split(x), names)]
+
+
 def _linear(cfg_dtype, in_dim: int, out_dim: int, bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(in_dim, out_dim, use_bias=bias, dtype=cfg_dtype, param_dtype=cfg_dtype, rngs=rngs)
 
@@ -69,9 +78,7 @@ class Attention(nnx.Module):
         c = self.config
         n = x.shape[0]
         # -1: under tensor parallelism this device holds only its share of the heads.
-        q = project(self.q_proj, x, lora, "q_proj").reshape(n, -1, c.head_dim)
-        k = project(self.k_proj, x, lora, "k_proj").reshape(n, -1, c.head_dim)
-        v = project(self.v_proj, x, lora, "v_proj").reshape(n, -1, c.head_dim)
+        q, k, v = (y.reshape(n, -1, c.head_dim) for y in project_group(self, x, lora, ("q_proj", "k_proj", "v_proj")))
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -89,7 +96,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(dtype, c.intermediate_size, c.hidden_size, c.mlp_bias, rngs)
 
     def __call__(self, x, tp_axis: Axis = None, lora: LayerLoRA | None = None):
-        h = jax.nn.silu(project(self.gate_proj, x, lora, "gate_proj")) * project(self.up_proj, x, lora, "up_proj")
+        gate, up = project_group(self, x, lora, ("gate_proj", "up_proj"))
+        h = jax.nn.silu(gate) * up
         return parallel.row_parallel(self.down_proj, h, tp_axis, delta(lora, "down_proj", h))
 
 
