@@ -28,8 +28,12 @@ def test_auto_takes_feature_major_products_for_float32_models_from_the_threshold
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, devices=2) == "eigen"  # needs one device
     assert resolve_cpu_matmuls("auto", "cpu", small, jnp.float32) == "ynnpack"  # attention's tiny products
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.bfloat16) == "ynnpack"
-    # int8 x int8 products run fast in YNNPACK only
-    assert resolve_cpu_matmuls("auto", "cpu", _config(EIGEN_FROM_HIDDEN, quantized=True), jnp.float32) == "ynnpack"
+    # int8 x int8 products run fast in YNNPACK only: per channel and per row, with their codes turned
+    int8 = _config(EIGEN_FROM_HIDDEN, quantized=True)
+    assert resolve_cpu_matmuls("auto", "cpu", int8, jnp.float32) == FEATURE_MAJOR
+    blocked = dataclasses.replace(int8, linear_quantization=dataclasses.replace(int8.linear_quantization, act_block=32))
+    assert resolve_cpu_matmuls("auto", "cpu", blocked, jnp.float32) == "ynnpack"
+    assert resolve_cpu_matmuls("auto", "cpu", _config(64, quantized=True), jnp.float32) == "ynnpack"
     assert resolve_cpu_matmuls("eigen", "cpu", small, jnp.float32) == "eigen"
     assert resolve_cpu_matmuls("auto", "tpu", big, jnp.float32) is None  # an XLA:CPU option only
     assert compiler_options(None) == compiler_options("ynnpack") == {}

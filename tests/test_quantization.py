@@ -263,3 +263,18 @@ def test_kv_token_bytes_count_the_scales():
     assert kv_quant_dtype("auto") is None
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kv_quant_dtype("fp4")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_codes_stored_out_in_give_the_same_product(rows):
+    """`codes_out_in` (codes [out, in], jaxserve/model/feature_major.py) runs the same integer product; the
+    layouts it cannot run are refused."""
+    rng = np.random.default_rng(rows)
+    qw = quantize_weight(jnp.asarray(rng.standard_normal((48, 40), dtype=np.float32)))
+    x = jnp.asarray(rng.standard_normal((rows, 48), dtype=np.float32))
+    want = quantized_linear(x, qw, "dynamic_int8", min_rows=2)
+    turned = QuantizedWeight(qw.codes.T, qw.scales)
+    np.testing.assert_array_equal(quantized_linear(x, turned, "dynamic_int8", min_rows=2, codes_out_in=True), want)
+    for strategy, options in [("weight_only", {}), ("dynamic_int8", {"act_block_size": 16})]:
+        with pytest.raises(ValueError, match=r"\[out, in\]"):
+            quantized_linear(x, turned, strategy, codes_out_in=True, **options)

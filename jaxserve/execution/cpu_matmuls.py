@@ -52,9 +52,13 @@ def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, 
     if platform != "cpu":
         return None
     if choice == "auto":
-        float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
-        wide = float32 and config.hidden_size >= EIGEN_FROM_HIDDEN
-        choice = "ynnpack" if not wide else FEATURE_MAJOR if devices == 1 else "eigen"
+        quantized = config.linear_quantization
+        float32 = jnp.dtype(dtype) == jnp.float32 and quantized is None
+        wide = config.hidden_size >= EIGEN_FROM_HIDDEN
+        if wide and devices == 1 and (float32 or _turnable(quantized)):
+            choice = FEATURE_MAJOR
+        else:
+            choice = "eigen" if wide and float32 else "ynnpack"
     if choice == FEATURE_MAJOR and devices != 1:
         raise ValueError(f"cpu_matmul_library {FEATURE_MAJOR!r} runs on one device, not on {devices}")
     if choice == "eigen" and not _xla_knows_the_option():
@@ -62,6 +66,12 @@ def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, 
                        YNN_FUSION_OPTION)
         return "ynnpack"
     return choice
+
+
+def _turnable(spec) -> bool:
+    """int8 layers quantized per channel and run dynamic_int8 per row: their codes run turned [out, in]."""
+    return (spec is not None and spec.codes == "int8" and spec.strategy == "dynamic_int8" and spec.block_size is None
+            and spec.act_block is None)
 
 
 @functools.cache

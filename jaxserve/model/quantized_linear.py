@@ -41,6 +41,7 @@ class QuantizedLinear(nnx.Module):
         self.strategy = spec.strategy
         self.min_rows = spec.min_rows
         self.act_block_size = activation_block(in_features, spec.act_block) if spec.strategy != "weight_only" else None
+        self.codes_out_in = False  # codes [out, in] once jaxserve/model/feature_major.py turns them
 
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.codes[...], self.scales[...], None if self.zeros is None else self.zeros[...])
@@ -48,7 +49,7 @@ class QuantizedLinear(nnx.Module):
     def project(self, x: jax.Array) -> jax.Array:
         """x @ W, without the bias."""
         return quantized_linear(x, self.weight(), self.strategy, min_rows=self.min_rows,
-                                act_block_size=self.act_block_size)
+                                act_block_size=self.act_block_size, codes_out_in=self.codes_out_in)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = self.project(x)
