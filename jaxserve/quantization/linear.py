@@ -129,7 +129,7 @@ def quantized_linear(x: jax.Array, qw: QuantizedWeight, strategy: str = "weight_
       min_rows: pad a batch of fewer rows with zero rows up to this many (static): XLA's CPU backend runs a
         one-row integer dot in slow generated code, a two-row one in its tuned GEMM.
       codes_out_in: the codes are stored transposed, [out, in] (jaxserve/model/feature_major.py: XLA:CPU's
-        int8 GEMM ran the 124.7M model's products 1.7-2x faster so at 2-16 rows); dynamic strategies with
+        int8 GEMM ran the 124.7M model's products 1.6-2x faster at 2-16 rows); dynamic strategies with
         per-channel scales, one activation scale per row and no zero points only.
     """
     if strategy not in STRATEGIES:
