@@ -58,16 +58,10 @@ def test_scanned_layers_match_transformers(case):
 
 
 def test_scanned_layers_with_lora_adapters_match_peft():
-    from tests.test_lora_parity import ADAPTERS, check, load_into, make_runner as lora_runner, run_sequences
+    from tests.test_lora_parity import check_every_adapter_in_one_batch, make_runner as lora_runner
     runner = lora_runner(layer_loop="scan", token_buckets=(152,))
     assert runner.layer_repeats == 2 and runner.kv_cache.folded  # the fixture's 2 layers as one, scanned
-    runner.warmup()
-    load_into(runner, {1: "r8_all", 2: "r4_qv", 3: "r4_mlp_alpha4", 4: "r8_rslora_attn"})
-    cases = [("base", 0), ("r4_qv", 2), ("r8_all", 1), ("r4_mlp_alpha4", 3), ("r8_rslora_attn", 4)]
-    assert {name for name, _ in cases} >= set(ADAPTERS)
-    results = run_sequences(runner, cases)
-    for i, (name, _) in enumerate(cases):
-        check(results[i], name)
+    check_every_adapter_in_one_batch(runner)
 
 
 def _greedy(llm):

@@ -104,6 +104,18 @@ def load_into(runner: ModelRunner, slots: dict[int, str]) -> None:
         runner.write_lora(slot, load_adapter(LORA / name, config, MAX_RANK))
 
 
+def check_every_adapter_in_one_batch(runner: ModelRunner) -> None:
+    """The base and the four adapters, each in its own slot, in one ragged batch, against PEFT (for runners
+    built another way: scanned layers, feature-major products)."""
+    runner.warmup()
+    load_into(runner, {1: "r8_all", 2: "r4_qv", 3: "r4_mlp_alpha4", 4: "r8_rslora_attn"})
+    cases = [("base", 0), ("r4_qv", 2), ("r8_all", 1), ("r4_mlp_alpha4", 3), ("r8_rslora_attn", 4)]
+    assert {name for name, _ in cases} >= set(ADAPTERS)
+    results = run_sequences(runner, cases)
+    for i, (name, _) in enumerate(cases):
+        check(results[i], name)
+
+
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_each_adapter_alone_matches_peft(runner, name):
     load_into(runner, {2: name})
