@@ -26,6 +26,9 @@ def test_auto_takes_feature_major_products_for_float32_models_from_the_threshold
     big, small = _config(EIGEN_FROM_HIDDEN), _config(64)
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32) == FEATURE_MAJOR
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, devices=2) == "eigen"  # needs one device
+    # a mapped checkpoint's weights stay where they lie: turning them would copy the model at every start
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, weights_in_place=True) == "eigen"
+    assert resolve_cpu_matmuls(FEATURE_MAJOR, "cpu", big, jnp.float32, weights_in_place=True) == FEATURE_MAJOR
     assert resolve_cpu_matmuls("auto", "cpu", small, jnp.float32) == "ynnpack"  # attention's tiny products
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.bfloat16) == "ynnpack"
     # int8 x int8 products run fast in YNNPACK only: per channel and per row, with their codes turned

@@ -30,7 +30,7 @@ from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
 from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
-from jaxserve.loader.formats import open_checkpoint
+from jaxserve.loader.formats import checkpoint_format, open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
@@ -187,7 +187,8 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                                  devices=model.plan.tp * model.plan.pp)
+                                  devices=model.plan.tp * model.plan.pp,
+                                  weights_in_place=args.model is not None and checkpoint_format(args.model) == "mapped")
     if matmuls == FEATURE_MAJOR:
         start = time.perf_counter()
         model = feature_major(model)

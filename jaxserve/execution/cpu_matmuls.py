@@ -1,22 +1,22 @@
 """Which library runs the matrix products of a step program on a CPU, chosen once per engine.
 
-XLA:CPU hands dots (and reductions) to YNNPACK fusions by default; with YNNPACK's dot fusions off, a dot
-goes to XLA's own dot path (Eigen's contraction). Measured on the 2-core development machine
-(docs/performance.md, "Matrix products on the CPU"), same process, same greedy tokens:
-- the 124.7M model's float32 decode step: 1.2x faster with Eigen at 4 rows and 1.25-1.3x at 16, equal at 1;
-  its 512-token prefill the same or faster. Its matmuls are what that step spends its time on.
-- stories260K (hidden 64): 1.4x slower with Eigen at 16 rows. Its matmuls are tiny, and attention's many
-  small batched products (a few query heads against a block of keys, per sequence) dominate: YNNPACK
-  runs those faster.
-- int8 x int8 -> int32 products (`--quantization int8`, dynamic strategy): 8x slower without YNNPACK.
-On the Intel development machine one layout beat both: weights turned to [out, in] and each few-row product
-run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`, jaxserve/model/feature_major.py): the 124.7M model
-served 1.24x Eigen's output tok/s at 4 streams and 1.36x at 16, the same at 1, with the same greedy tokens
-(docs/performance.md, "Feature-major products"). So `auto` takes it for float32 weights from
-`EIGEN_FROM_HIDDEN` features up (no quantized layers) on one device, Eigen there on a mesh (the turned
-kernels would need turned partition rules), and XLA's default everywhere else. The choice is a compile option of the step programs (part of their cache
-keys), so it touches nothing else in the process. Reductions stay in YNNPACK either way: XLA's own
-emitter ran the attention's multiply-and-sum formulation 12x slower.
+XLA:CPU hands dots (and reductions) to YNNPACK fusions by default; with YNNPACK's dot fusions off, a dot goes
+to XLA's own dot path (Eigen's contraction). Measured on the 2-core development machine (docs/performance.md,
+"Matrix products on the CPU"), same process, same greedy tokens: - the 124.7M model's float32 decode step:
+1.2x faster with Eigen at 4 rows and 1.25-1.3x at 16, equal at 1;   its 512-token prefill the same or faster.
+Its matmuls are what that step spends its time on. - stories260K (hidden 64): 1.4x slower with Eigen at 16
+rows. Its matmuls are tiny, and attention's many   small batched products (a few query heads against a block
+of keys, per sequence) dominate: YNNPACK   runs those faster. - int8 x int8 -> int32 products (`--quantization
+int8`, dynamic strategy): 8x slower without YNNPACK. On the Intel development machine one layout beat both:
+weights turned to [out, in] and each few-row product run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`,
+jaxserve/model/feature_major.py): the 124.7M model served 1.24x Eigen's output tok/s at 4 streams and 1.36x at
+16, the same at 1, with the same greedy tokens (docs/performance.md, "Feature-major products"). So `auto`
+takes it for float32 weights from `EIGEN_FROM_HIDDEN` features up (and per-channel dynamic int8 ones) on one
+device, Eigen there on a mesh (the turned kernels would need turned partition rules) and for a mapped
+checkpoint (whose weights are used where they lie; turning them copies them), and XLA's default everywhere
+else. The library is a compile option of the step programs (part of their cache keys), so it touches nothing
+else in the process. Reductions stay in YNNPACK either way: XLA's own emitter ran the attention's
+multiply-and-sum formulation 12x slower.
 
 One more choice follows the weights' dtype: XLA:CPU runs a bfloat16 product of one row in its own generated
 loop, and from two rows up in YNNPACK's tuned kernels. The 124.7M model's bfloat16 step took 102-108 ms for
@@ -44,9 +44,13 @@ EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}
 logger = logging.getLogger(__name__)
 
 
-def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, devices: int = 1) -> str | None:
+def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, devices: int = 1,
+                        weights_in_place: bool = False) -> str | None:
     """'ynnpack', 'eigen' or 'ynnpack-feature-major' on a CPU, None elsewhere (the options do not exist
-    there). `devices`: the model's tensor x pipeline parallel size; feature-major layers need one."""
+    there). `devices`: the model's tensor x pipeline parallel size; feature-major layers need one.
+    `weights_in_place`: the weights are views of a mapped checkpoint's file (`jaxserve convert --format
+    mapped`); `auto` leaves them in place rather than turn them, which would copy the model at every start
+    (the 124.7M model: 0.7 s more to start and 1.5x the peak memory; issue 15's start-up targets)."""
     if choice not in CPU_MATMUL_LIBRARIES:
         raise ValueError(f"cpu_matmul_library must be one of {', '.join(CPU_MATMUL_LIBRARIES)}, got {choice!r}")
     if platform != "cpu":
@@ -55,7 +59,7 @@ def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, 
         quantized = config.linear_quantization
         float32 = jnp.dtype(dtype) == jnp.float32 and quantized is None
         wide = config.hidden_size >= EIGEN_FROM_HIDDEN
-        if wide and devices == 1 and (float32 or _turnable(quantized)):
+        if wide and devices == 1 and not weights_in_place and (float32 or _turnable(quantized)):
             choice = FEATURE_MAJOR
         else:
             choice = "eigen" if wide and float32 else "ynnpack"

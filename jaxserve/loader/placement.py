@@ -235,7 +235,12 @@ def feature_major(model: ShardedModel) -> ShardedModel:
     and a CPU serves from one device."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
+    loaded = {id(a) for a in jax.tree.leaves(model.params)}
     module = nnx.merge(model.graphdef, model.params)
     model.params = None  # the module holds the only references now: each old kernel is freed as it turns
     graphdef, params = nnx.split(feature_major_linears(module))
+    # The arrays left as loaded (embedding, norms) are copied too. A mapped checkpoint's arrays are views of
+    # its file's mapping, which stays (and keeps every page it has read resident, the old kernels' too)
+    # while any view of it lives: with none left, the turned model holds only its own memory.
+    params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)
     return dataclasses.replace(model, graphdef=graphdef, params=params)

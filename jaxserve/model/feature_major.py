@@ -13,8 +13,8 @@ model's chain ran 4-6x slower at 4 tokens when a single transpose was left free 
 the transposes stay two small copies of the activations ([tokens, features] floats) per product.
 
 Quantized layers keep their product but store their int8 codes [out, in] too: XLA:CPU's int8 GEMM ran
-the 124.7M model's int8 x int8 products 1.7x faster at 2 rows, 2x at 4, 1.6x at 16, and faster at 128 and 512 too, so they need no
-islands (a one-row step is padded to two rows as before).
+the 124.7M model's int8 x int8 products 1.7x faster at 2 rows, 2x at 4, 1.6x at 16, and faster at 128
+and 512 too, so they need no islands (a one-row step is padded to two rows as before).
 
 `feature_major_linears(model)` turns a loaded model into this form once, after loading
 (`jaxserve/loader/placement.py`'s `feature_major`): every `nnx.Linear` of the decoder layers and the untied
