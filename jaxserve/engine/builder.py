@@ -186,12 +186,12 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
+    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
     matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                                  devices=model.plan.tp * model.plan.pp,
-                                  weights_in_place=args.model is not None and checkpoint_format(args.model) == "mapped")
+                                  devices=model.plan.tp * model.plan.pp, weights_in_place=in_place)
     if matmuls == FEATURE_MAJOR:
         start = time.perf_counter()
-        model = feature_major(model)
+        model = feature_major(model, weights_in_place=in_place)
         logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s", time.perf_counter() - start)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)

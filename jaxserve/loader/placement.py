@@ -229,18 +229,19 @@ def _stacker(sharding: NamedSharding):
     return jax.jit(lambda *a: jnp.stack(a), out_shardings=NamedSharding(sharding.mesh, P(None, *sharding.spec)))
 
 
-def feature_major(model: ShardedModel) -> ShardedModel:
+def feature_major(model: ShardedModel, weights_in_place: bool = False) -> ShardedModel:
     """The model with its linear layers feature-major (`jaxserve/model/feature_major.py`). Single device
     only: under tensor or pipeline parallelism the kernels' partition specs would have to turn with them,
-    and a CPU serves from one device."""
+    and a CPU serves from one device. `weights_in_place`: the arrays are views of a mapped checkpoint's file,
+    so the ones left as loaded are copied too (below)."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
     loaded = {id(a) for a in jax.tree.leaves(model.params)}
     module = nnx.merge(model.graphdef, model.params)
     model.params = None  # the module holds the only references now: each old kernel is freed as it turns
     graphdef, params = nnx.split(feature_major_linears(module))
-    # The arrays left as loaded (embedding, norms) are copied too. A mapped checkpoint's arrays are views of
-    # its file's mapping, which stays (and keeps every page it has read resident, the old kernels' too)
-    # while any view of it lives: with none left, the turned model holds only its own memory.
-    params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)
+    if weights_in_place:
+        # A mapped file stays mapped (and every page read from it resident, the old kernels' too) while any
+        # view of it lives: with the embedding and norms copied as well, the model holds only its own memory.
+        params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
