@@ -10,8 +10,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import LinearQuantization
 from jaxserve.model import parallel
 from jaxserve.model.feature_major import ISLAND_BELOW_ROWS, FeatureMajorLinear, feature_major_product
+from jaxserve.model.quantized_linear import QuantizedLinear
+from jaxserve.quantization import quantize_weight
 
 PROMPTS = ["Once upon a time", "The cat sat on", "Lily and Tom went to the park to play with their ball and", ""]
 
@@ -27,20 +30,30 @@ def test_the_product_is_x_times_the_transposed_weight_in_both_forms(rows):
     np.testing.assert_allclose(jax.jit(feature_major_product)(weight, x.reshape(1, rows, 40)), got[None], rtol=1e-6)
 
 
-def test_row_parallel_adds_the_extra_term_of_a_layer_with_its_own_product():
+@pytest.mark.parametrize("kind", ["feature-major", "int8"])
+def test_row_parallel_adds_the_extra_term_of_a_layer_with_its_own_product(kind):
     """Inside the step's shard_map `row_parallel` calls `project` and adds the partial sum `extra` (a LoRA
-    term) before its all-reduce and the bias after it."""
+    term on o_proj or down_proj) before its all-reduce and the bias after it. Quantized layers dropped it
+    before feature-major layers shared their branch."""
     rng = np.random.default_rng(0)
-    weight = jnp.asarray(rng.standard_normal((6, 5), dtype=np.float32))
+    weight = jnp.asarray(rng.standard_normal((6, 5), dtype=np.float32))  # [out, in]
     bias, x = jnp.arange(6, dtype=jnp.float32), jnp.asarray(rng.standard_normal((3, 5), dtype=np.float32))
     extra = jnp.full((3, 6), 0.5, jnp.float32)
-    linear = FeatureMajorLinear(weight, bias)
+    if kind == "int8":
+        spec = LinearQuantization(codes="int8", strategy="dynamic_int8")
+        linear = QuantizedLinear(5, 6, use_bias=True, spec=spec, dtype=jnp.float32)
+        qw = quantize_weight(weight.T)
+        linear.codes[...], linear.scales[...], linear.bias[...] = qw.codes, qw.scales, bias
+    else:
+        linear = FeatureMajorLinear(weight, bias)
     mesh = jax.make_mesh((1,), ("tensor",))
     run = jax.shard_map(lambda x, e: parallel.row_parallel(linear, x, "tensor", e), mesh=mesh,
                         in_specs=(P(), P()), out_specs=P())
-    expected = np.asarray(x) @ np.asarray(weight).T + 0.5 + np.asarray(bias)
+    expected = linear(x) + 0.5
     np.testing.assert_allclose(run(x, extra), expected, rtol=1e-5)
-    np.testing.assert_allclose(linear(x), expected - 0.5, rtol=1e-5)
+    tolerance = 0.05 if kind == "int8" else 1e-5  # int8 codes and row scales against the float product
+    np.testing.assert_allclose(expected, np.asarray(x) @ np.asarray(weight).T + 0.5 + np.asarray(bias),
+                               rtol=tolerance, atol=tolerance)
 
 
 def _param_names(llm) -> list[str]:
