@@ -192,7 +192,8 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     if matmuls == FEATURE_MAJOR:
         start = time.perf_counter()
         model = feature_major(model, weights_in_place=in_place)
-        logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s", time.perf_counter() - start)
+        logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s",
+                    time.perf_counter() - start)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),

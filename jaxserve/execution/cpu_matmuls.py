@@ -1,21 +1,24 @@
 """Which library runs the matrix products of a step program on a CPU, chosen once per engine.
 
-XLA:CPU hands dots (and reductions) to YNNPACK fusions by default; with YNNPACK's dot fusions off, a dot goes
-to XLA's own dot path (Eigen's contraction). Measured on the 2-core development machine (docs/performance.md,
-"Matrix products on the CPU"), same process, same greedy tokens: - the 124.7M model's float32 decode step:
-1.2x faster with Eigen at 4 rows and 1.25-1.3x at 16, equal at 1;   its 512-token prefill the same or faster.
-Its matmuls are what that step spends its time on. - stories260K (hidden 64): 1.4x slower with Eigen at 16
-rows. Its matmuls are tiny, and attention's many   small batched products (a few query heads against a block
-of keys, per sequence) dominate: YNNPACK   runs those faster. - int8 x int8 -> int32 products (`--quantization
-int8`, dynamic strategy): 8x slower without YNNPACK. On the Intel development machine one layout beat both:
-weights turned to [out, in] and each few-row product run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`,
-jaxserve/model/feature_major.py): the 124.7M model served 1.24x Eigen's output tok/s at 4 streams and 1.36x at
-16, the same at 1, with the same greedy tokens (docs/performance.md, "Feature-major products"). So `auto`
-takes it for float32 weights from `EIGEN_FROM_HIDDEN` features up (and per-channel dynamic int8 ones) on one
-device, Eigen there on a mesh (the turned kernels would need turned partition rules) and for a mapped
-checkpoint (whose weights are used where they lie; turning them copies them), and XLA's default everywhere
-else. The library is a compile option of the step programs (part of their cache keys), so it touches nothing
-else in the process. Reductions stay in YNNPACK either way: XLA's own emitter ran the attention's
+XLA:CPU hands dots (and reductions) to YNNPACK fusions by default; with YNNPACK's dot fusions off, a dot
+goes to XLA's own dot path (Eigen's contraction). Measured on the 2-core development machine
+(docs/performance.md, "Matrix products on the CPU"), same process, same greedy tokens:
+- the 124.7M model's float32 decode step: 1.2x faster with Eigen at 4 rows and 1.25-1.3x at 16, equal at 1;
+  its 512-token prefill the same or faster. Its matmuls are what that step spends its time on.
+- stories260K (hidden 64): 1.4x slower with Eigen at 16 rows. Its matmuls are tiny, and attention's many
+  small batched products (a few query heads against a block of keys, per sequence) dominate: YNNPACK
+  runs those faster.
+- int8 x int8 -> int32 products (`--quantization int8`, dynamic strategy): 8x slower without YNNPACK.
+
+On the Intel development machine one layout beat both: weights turned to [out, in] and each few-row
+product run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`, jaxserve/model/feature_major.py). The
+124.7M model served 1.24x Eigen's output tok/s at 4 streams and 1.36x at 16, the same at 1, with the same
+greedy tokens (docs/performance.md, "Feature-major products"). So `auto` takes it for float32 weights from
+`EIGEN_FROM_HIDDEN` features up (and per-channel dynamic int8 ones) on one device; Eigen for such float32
+weights on a mesh (the turned kernels would need turned partition rules) and from a mapped checkpoint
+(whose weights are used where they lie; turning them copies them); XLA's default everywhere else. The
+library is a compile option of the step programs (part of their cache keys), so it touches nothing else
+in the process. Reductions stay in YNNPACK either way: XLA's own emitter ran the attention's
 multiply-and-sum formulation 12x slower.
 
 One more choice follows the weights' dtype: XLA:CPU runs a bfloat16 product of one row in its own generated
@@ -35,8 +38,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import CPU_MATMUL_LIBRARIES, ModelConfig
 
-EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) feature-major or in Eigen
-FEATURE_MAJOR = "ynnpack-feature-major"  # weights [out, in], each product W @ x.T (jaxserve/model/feature_major.py)
+EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) turned or in Eigen
+FEATURE_MAJOR = "ynnpack-feature-major"  # weights [out, in], products W @ x.T (jaxserve/model/feature_major.py)
 YNN_FUSION_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 # XLA's default list is dots and reductions; this keeps the reductions only.
 EIGEN_DOTS = {YNN_FUSION_OPTION: "LIBRARY_FUSION_TYPE_REDUCE"}

@@ -236,11 +236,11 @@ def feature_major(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     so the ones left as loaded are copied too (below)."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
-    loaded = {id(a) for a in jax.tree.leaves(model.params)}
+    loaded = {id(a) for a in jax.tree.leaves(model.params)} if weights_in_place else set()
     module = nnx.merge(model.graphdef, model.params)
     model.params = None  # the module holds the only references now: each old kernel is freed as it turns
     graphdef, params = nnx.split(feature_major_linears(module))
-    if weights_in_place:
+    if loaded:
         # A mapped file stays mapped (and every page read from it resident, the old kernels' too) while any
         # view of it lives: with the embedding and norms copied as well, the model holds only its own memory.
         params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)

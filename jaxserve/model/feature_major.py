@@ -68,8 +68,9 @@ class FeatureMajorLinear(nnx.Module):
 class FusedProjections(FeatureMajorLinear):
     """Several projections of one input as one product: their [out, in] weights stacked along out, so a
     step reads them in one pass (`names`, in order, with `sizes` outputs each); `llama.project_group`
-    splits the result. On the 124.7M model's one-token products: 16.5 against 18.2 ms for q, k, v and
-    gate, up fused against apart in one chain of its products (docs/performance.md, "Feature-major products")."""
+    splits the result. The 124.7M model's chain of one-token products took 17.1 ms with q, k, v and gate,
+    up fused, against 20.1 apart (`benchmarks/cpu_matmul_layout.py`; docs/performance.md, "Feature-major
+    products"): fewer, larger products pay XLA's fixed cost per dot less often."""
 
     def __init__(self, weight: jax.Array, bias: jax.Array | None, names: tuple[str, ...], sizes: tuple[int, ...]):
         super().__init__(weight, bias)
@@ -97,12 +98,14 @@ def _turned(linear: nnx.Linear) -> FeatureMajorLinear:
     return FeatureMajorLinear(jnp.swapaxes(kernel, -1, -2), bias)
 
 
-def _fuse_group(module: nnx.Module, names: tuple[str, ...]) -> bool:
+def _fuse_group(module: nnx.Module, names: tuple[str, ...]) -> None:
+    """The layers `names` of `module` as one `fused_projections`, when all are plain nnx.Linear layers with
+    biases alike (MoE experts hold arrays under these names, quantized layers keep theirs apart)."""
     linears = [getattr(module, name, None) for name in names]
     if not all(isinstance(linear, nnx.Linear) for linear in linears) or hasattr(module, "fused_projections"):
-        return False
+        return
     if len({linear.bias is None for linear in linears}) > 1:
-        return False
+        return
     parts = [_take_kernel(linear) for linear in linears]
     sizes = tuple(kernel.shape[-1] for kernel, _ in parts)
     weight = jnp.swapaxes(jnp.concatenate([kernel for kernel, _ in parts], axis=-1), -1, -2)
@@ -111,7 +114,6 @@ def _fuse_group(module: nnx.Module, names: tuple[str, ...]) -> bool:
     for name in names:
         delattr(module, name)
     module.fused_projections = FusedProjections(weight, bias, names, sizes)
-    return True
 
 
 def turnable_codes(linear: QuantizedLinear) -> bool:

@@ -78,7 +78,8 @@ class Attention(nnx.Module):
         c = self.config
         n = x.shape[0]
         # -1: under tensor parallelism this device holds only its share of the heads.
-        q, k, v = (y.reshape(n, -1, c.head_dim) for y in project_group(self, x, lora, ("q_proj", "k_proj", "v_proj")))
+        qkv = project_group(self, x, lora, ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (y.reshape(n, -1, c.head_dim) for y in qkv)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

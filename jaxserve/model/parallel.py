@@ -41,7 +41,9 @@ def row_parallel(linear: nnx.Linear, x: jax.Array, axis: Axis, extra: jax.Array 
     if axis is None:
         return linear(x) if extra is None else linear(x) + extra
     bias = linear.bias[...] if linear.bias is not None else None
-    if hasattr(linear, "project"):  # a QuantizedLinear (each shard quantizes its own slice of x), a FeatureMajorLinear
+    # A layer with its own product: a QuantizedLinear (each shard quantizes its own slice of x), or a
+    # FeatureMajorLinear.
+    if hasattr(linear, "project"):
         y = linear.project(x)
     else:
         x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
