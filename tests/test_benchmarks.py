@@ -181,3 +181,14 @@ def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path)
     split = json.loads((tmp_path / "split8" / "gpu_kernels.json").read_text())
     (check,) = split["checks"]  # the engine's greedy check ran the split kernel too
     assert "kv_splits=4" in check["check"] and check["ok"]
+
+
+def test_first_wave_benchmark_runs_on_stories260k(capsys, stories_dir):
+    """Both engines (with and without the warm-up batches) serve the waves, and give the same tokens."""
+    bench = load("first_wave")
+    argv = ["--model", str(stories_dir), "--waves", "2,2", "--max-tokens", "4", "--token-buckets", "8,64"]
+    assert bench.main(argv) == 0  # it asserts itself that both engines' tokens agree
+    out = capsys.readouterr().out
+    assert "| 1 | 2 |" in out and "| 2 | 2 |" in out
+    assert "with warm-up batches: first wave over the next of its size:" in out
+    assert "Reproduce: ./dev run python benchmarks/first_wave.py --model" in out

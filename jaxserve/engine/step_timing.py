@@ -4,7 +4,10 @@ measures them.
 1. Calibration: once every program is compiled, an idle step of each bucket is timed (one under a second
    twice, the faster counting: a program's first run pays a one-off cost, ~65 ms on the 124.7M model on
    CPU, which doubled its decode step's reading), while no request runs: at warm-up, or a bucket per
-   idle moment of a server whose programs compiled in the background. Not in a multi-host run: its
+   idle moment of a server whose programs compiled in the background. Between the two, a short step's
+   program runs the warm-up batches (`BatchBuilder.warmup`): the first time a program enters a loop or
+   a branch costs it another one-off, and an idle step enters neither, so the first requests paid it
+   (5-30 ms a program on stories260K, up to doubling the first few steps' time). Not in a multi-host run: its
    processes would have to run the timing steps together; its model learns from served steps alone.
 2. Online: each step whose samples the host waited for is measured from when the device could start it
    (its launch, or the end of the step before) to their arrival (`StepClock`).
@@ -21,6 +24,9 @@ from jaxserve.scheduling.step_cost import kv_tokens_read
 
 logger = logging.getLogger("jaxserve.engine.engine")
 SHORT_STEP_SECONDS = 1.0  # an idle step this short is timed twice
+# A program whose idle step is this short also runs the warm-up batches; beside a longer step their one-off
+# costs are small, and running them would add seconds to the start of a large model on a CPU.
+WARMUP_BATCHES_BELOW_SECONDS = 0.1
 
 
 class StepTiming:
@@ -30,7 +36,8 @@ class StepTiming:
         """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
         model; one under SHORT_STEP_SECONDS twice, the faster counting (a program's first run pays a
         one-off cost of tens of milliseconds; a long step is timed once, where that cost is small beside
-        it and a second run would add seconds to the start of a big model). Only while no request runs
+        it and a second run would add seconds to the start of a big model). In between, a program with a
+        step under WARMUP_BATCHES_BELOW_SECONDS runs the warm-up batches. Only while no request runs
         (an idle server: the async engine calls it once background compilation is done, a bucket per idle
         moment); in a multi-host run the model learns from served steps alone."""
         buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
@@ -39,6 +46,8 @@ class StepTiming:
         cost = self.scheduler.step_cost
         for bucket in buckets:
             seconds = self.runner.time_idle_step(bucket)
+            if seconds < WARMUP_BATCHES_BELOW_SECONDS:
+                self.runner.run_warmup_batches(bucket)
             if seconds < SHORT_STEP_SECONDS:
                 seconds = min(seconds, self.runner.time_idle_step(bucket))
             cost.observe(bucket, 0, seconds)

@@ -172,6 +172,45 @@ class BatchBuilder:
                 b.prompt_target[cu[i]:cu[i] + len(seq.prompt_targets)] = seq.prompt_targets
         return ints, floats
 
+    def warmup(self, layout: BatchLayout, every_option: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A batch that only warm-up runs: the bucket's tokens split among as many sequences as it has rows,
+        every one reading and writing the null page and keeping its sampler state in the scratch row, so
+        nothing a request owns is touched. XLA:CPU pays a one-off cost the first time a program enters a
+        loop or a branch (5-30 ms a program on stories260K); a batch without sequences enters neither the
+        attention's key loop nor the sampler's branches, and left that cost to the first requests.
+        `every_option`: sampled draws with top-k and top-p, penalties, a grammar mask, logprobs, and one
+        draft per sequence where the programs verify drafts; else greedy draws. (Prompt logprobs stay
+        cold: their branch computes every token's logits, seconds for a large bucket.)"""
+        ints, floats = layout.empty()
+        b: StepBatch = layout.packing.views(ints, floats)
+        draws = 2 if every_option and layout.max_drafts else 1
+        n = min(layout.seqs, layout.tokens // draws)
+        lens = np.full(n, layout.tokens // n, np.int32)
+        lens[-1] += layout.tokens - lens.sum()
+        cu = b.cu_q_lens
+        np.cumsum(lens, out=cu[1:n + 1])
+        cu[n + 1:] = layout.tokens
+        positions = np.arange(layout.tokens, dtype=np.int32) - np.repeat(cu[:n], lens)
+        b.positions[:] = positions
+        b.write_index[:] = NULL_PAGE * self.page_size + positions % self.page_size
+        b.token_kind[:] = 1
+        b.tokens[:] = 1
+        b.kv_lens[:n] = lens
+        b.fresh[:n] = 1
+        rows = np.arange(n * draws)
+        b.row_seq[:n * draws] = rows // draws
+        b.row_pos[:n * draws] = rows % draws
+        b.row_index[:n * draws] = cu[1:n + 1][rows // draws] - draws + rows % draws
+        if every_option:
+            if draws == 2:
+                b.row_draft[:n * draws:2] = 1
+            s, p = b.sampling, b.processing
+            s.temperature[:n], s.top_k[:n], s.top_p[:n] = 1.0, 8, 0.9
+            p.active[...], p.presence[:n], p.repetition[:n] = 1, 0.5, 1.1
+            b.constrained[...] = 1
+            b.logprobs[:n] = 0  # the drawn token's own logprob
+        return ints, floats
+
     @staticmethod
     def _draw_rows(seqs: list[ScheduledSeq], ends: np.ndarray, b: StepBatch, layout: BatchLayout) -> None:
         """Each sequence's draw rows: its last `drafts + 1` tokens, whose logits decide the token after each."""

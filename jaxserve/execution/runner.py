@@ -9,7 +9,8 @@
 3. The samples stay on the device and feed the next step; `LaunchedStep.sampled()` copies them to the
    host (one small array, its copy started at launch) when the engine gets round to it, a step later.
    It notes when they arrived and whether the host had to wait for them: the engine's step-time
-   measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up.
+   measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up,
+   after `run_warmup_batches` has run it through its loops and branches once.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
 5. With LoRA, the adapters' slot stacks (`jaxserve/lora/slots.py`) are one more input of every step;
    `write_lora(slot, adapter)` fills a slot between steps, and no step program changes.
@@ -270,6 +271,17 @@ class ModelRunner:
         seconds = time.perf_counter() - start
         self._prev_samples = self._no_samples
         return seconds
+
+    def run_warmup_batches(self, bucket: int) -> None:
+        """Run `bucket`'s program on the builder's warm-up batches (greedy, then every option) and wait: the
+        first runs of its loops and branches are paid here rather than by the first requests. Only while
+        no request runs."""
+        layout = self.layouts[bucket]
+        for every_option in (False, True):
+            ints, floats = self.builder.warmup(layout, every_option)
+            masks = self._all_allowed(layout.seqs) if every_option else None
+            to_host(self.dispatch(None, layout, ints, floats, masks, with_logits=False).results.draws.last)
+        self._prev_samples = self._no_samples
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
         """One step with every row's logits, waited for (research, tests). Not while the engine has

@@ -1,0 +1,92 @@
+"""The warm-up batches (`BatchBuilder.warmup`, `ModelRunner.run_warmup_batches`): each program's loops and
+branches entered once before the first request, and nothing a request owns touched by them.
+
+Why they exist (a one-off cost, measured in benchmarks/first_wave.py, not here): XLA:CPU pays it the first
+time a program enters a loop or a branch, and an idle step enters neither."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import step_timing
+from jaxserve.scheduling.pages import NULL_PAGE
+
+# n-gram speculation so that the programs verify drafts and the draft branch is among those entered.
+SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+        "adaptive_drafting": False}
+
+
+@pytest.fixture(scope="module")
+def llm(stories_dir):
+    return LLM(str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(8, 32),
+               speculative_config=SPEC)
+
+
+def views(runner, layout, every_option):
+    return layout.packing.views(*runner.builder.warmup(layout, every_option))
+
+
+@pytest.mark.parametrize("every_option", [False, True])
+def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, every_option):
+    runner = llm.engine.runner
+    for layout in runner.layouts.values():
+        b = views(runner, layout, every_option)
+        n = int(np.count_nonzero(b.kv_lens))
+        assert n == min(layout.seqs, layout.tokens // (2 if every_option else 1)) > 0
+        assert b.cu_q_lens[n] == b.cu_q_lens[-1] == layout.tokens  # no padding token: every one attends
+        assert np.all(np.diff(b.cu_q_lens[:n + 1]) == b.kv_lens[:n])  # each sequence's keys are its tokens
+        assert np.all(b.write_index // runner.builder.page_size == NULL_PAGE)
+        assert np.all(b.page_tables == NULL_PAGE) and np.all(b.slots == layout.scratch_slot)
+        assert np.all(b.token_kind == 1) and np.all(b.fresh[:n] == 1)
+        draws = b.row_pos >= 0
+        ends = b.cu_q_lens[1:n + 1][b.row_seq[draws]]
+        assert np.all((b.row_index[draws] < ends) & (b.row_index[draws] >= ends - 2))  # its own last tokens
+        options = [b.sampling.temperature[:n] > 0, b.sampling.top_k[:n] > 0, b.sampling.top_p[:n] < 1,
+                   b.processing.active > 0, b.constrained > 0, b.logprobs[:n] >= 0]
+        if layout.max_drafts:
+            options.append(np.any(b.row_draft >= 0))
+        assert all(np.all(o) == every_option for o in options)
+
+
+def snapshot(engine):
+    """The KV cache without its null pages, and the sampler state without its scratch row, on the host."""
+    runner = engine.runner
+    layers = runner.kv_cache.k if isinstance(runner.kv_cache.k, list) else [runner.kv_cache.k]
+    pages = engine.scheduler.allocator.num_pages
+    kv = [np.delete(np.asarray(a), np.arange(NULL_PAGE, a.shape[1], pages), axis=1)
+          for a in layers + (runner.kv_cache.v if isinstance(runner.kv_cache.v, list) else [runner.kv_cache.v])]
+    state = [np.asarray(x)[:-1] for x in jax.tree.leaves(runner.sampler_state)]
+    return kv, state
+
+
+def test_warmup_batches_leave_what_requests_own_as_it_was(llm):
+    engine = llm.engine
+    prompt = "Once upon a time, Lily and Tom went to the park. Lily and Tom"
+    params = [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, temperature=0.8, seed=7,
+                                                                           presence_penalty=0.5)]
+    before = [o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params)]
+    kv, state = snapshot(engine)
+    for bucket in engine.runner.layouts:
+        engine.runner.run_warmup_batches(bucket)
+    kv_after, state_after = snapshot(engine)
+    for a, b in zip(kv + state, kv_after + state_after):
+        np.testing.assert_array_equal(a, b)
+    # The prompt's cached pages are read again (a prefix-cache hit) and give the same tokens.
+    assert [o.outputs[0].token_ids for o in llm.generate([prompt, prompt], params)] == before
+    assert engine.compilations_since_warmup == 0
+
+
+def test_calibration_runs_the_warmup_batches_of_short_steps_only(llm, monkeypatch):
+    engine = llm.engine
+    ran, idle = [], {8: 0.01, 32: 0.5}  # bucket 32 is made a long step
+    monkeypatch.setattr(engine.runner, "run_warmup_batches", ran.append)
+    monkeypatch.setattr(engine.runner, "time_idle_step", idle.get)
+    monkeypatch.setattr(engine, "_timed_buckets", set())
+    monkeypatch.setattr(engine.scheduler, "step_cost", copy.deepcopy(engine.scheduler.step_cost))
+    engine.calibrate_step_cost()
+    assert step_timing.WARMUP_BATCHES_BELOW_SECONDS < 0.5 and ran == [8]
