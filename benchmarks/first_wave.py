@@ -12,6 +12,8 @@ its second (1.0x: warm-up left nothing to pay).
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import time
 
 import numpy as np
@@ -72,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                  and (i == 0 or sizes[i - 1] != sizes[i])]
         print(f"{label} warm-up batches: first wave over the next of its size: "
               + ", ".join(f"{a / b:.2f}x" for a, b in pairs))
-    given = "" if args.token_buckets is None else f" --token-buckets {args.token_buckets}"
-    print(f"Reproduce: ./dev run python benchmarks/first_wave.py --model {args.model} --waves {args.waves}{given}")
+    print("Reproduce: ./dev run python benchmarks/first_wave.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     return 0
 
 
