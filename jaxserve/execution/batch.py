@@ -183,7 +183,7 @@ class BatchBuilder:
         cold: their branch computes every token's logits, seconds for a large bucket.)"""
         ints, floats = layout.empty()
         b: StepBatch = layout.packing.views(ints, floats)
-        draws = 2 if every_option and layout.max_drafts else 1
+        draws = 2 if every_option and layout.max_drafts and layout.tokens > 1 else 1  # a draft needs 2 tokens
         n = min(layout.seqs, layout.tokens // draws)
         lens = np.full(n, layout.tokens // n, np.int32)
         lens[-1] += layout.tokens - lens.sum()
