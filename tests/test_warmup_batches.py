@@ -38,9 +38,17 @@ def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, e
         b = views(runner, layout, every_option)
         n = int(np.count_nonzero(b.kv_lens))
         drafts = every_option and layout.tokens > 1  # a one-token bucket has no room for a draft
-        assert n == min(layout.seqs, layout.tokens // (2 if drafts else 1)) > 0
+        assert n == (min(layout.seqs, layout.tokens // 2) if drafts else 1 if every_option
+                     else min(layout.seqs, layout.tokens))
         assert b.cu_q_lens[n] == b.cu_q_lens[-1] == layout.tokens  # no padding token: every one attends
-        assert np.all(np.diff(b.cu_q_lens[:n + 1]) == b.kv_lens[:n])  # each sequence's keys are its tokens
+        lens = b.kv_lens[:n]
+        assert np.all(np.diff(b.cu_q_lens[:n + 1]) == lens)  # each sequence's keys are its tokens
+        # Between them the two batches enter the decode rows' loop (one-token sequences) and a prefill
+        # chunk's (a longer one) of every bucket that can hold either.
+        if not every_option:
+            assert lens.min() == 1 and lens.max() == max(1, layout.tokens - layout.seqs + 1)
+        elif layout.tokens > 1:
+            assert lens.max() >= 2
         assert np.all(b.write_index // runner.builder.page_size == NULL_PAGE)
         assert np.all(b.page_tables == NULL_PAGE) and np.all(b.slots == layout.scratch_slot)
         assert np.all(b.token_kind == 1) and np.all(b.fresh[:n] == 1)

@@ -173,19 +173,22 @@ class BatchBuilder:
         return ints, floats
 
     def warmup(self, layout: BatchLayout, every_option: bool) -> tuple[np.ndarray, np.ndarray]:
-        """A batch that only warm-up runs: the bucket's tokens split among as many sequences as it has rows,
-        every one reading and writing the null page and keeping its sampler state in the scratch row, so
-        nothing a request owns is touched. XLA:CPU pays a one-off cost the first time a program enters a
-        loop or a branch (5-30 ms a program on stories260K); a batch without sequences enters neither the
-        attention's key loop nor the sampler's branches, and left that cost to the first requests.
-        `every_option`: sampled draws with top-k and top-p, penalties, a grammar mask, logprobs, and one
-        draft per sequence where the programs verify drafts; else greedy draws. (Prompt logprobs stay
-        cold: their branch computes every token's logits, seconds for a large bucket.)"""
+        """A batch that only warm-up runs, every sequence in it reading and writing the null page and keeping
+        its sampler state in the scratch row, so nothing a request owns is touched. XLA:CPU pays a one-off
+        cost the first time a program enters a loop or a branch (5-30 ms a program on stories260K); a batch
+        without sequences enters neither the attention's loops nor the sampler's branches, and left that
+        cost to the first requests. The two batches enter them all between them:
+        - greedy draws of one-token sequences, as many as the bucket has rows (the decode rows' key loop),
+          the last taking the tokens left over (a prefill chunk's loops, when the bucket has more tokens);
+        - `every_option`: sampled draws with top-k and top-p, penalties, a grammar mask and logprobs, for
+          one sequence of every token (a prefill chunk), or, where the programs verify drafts, sequences of
+          a draft and the token after it. (Prompt logprobs stay cold: their branch computes every token's
+          logits, which takes seconds for a large bucket.)"""
         ints, floats = layout.empty()
         b: StepBatch = layout.packing.views(ints, floats)
         draws = 2 if every_option and layout.max_drafts and layout.tokens > 1 else 1  # a draft needs 2 tokens
-        n = min(layout.seqs, layout.tokens // draws)
-        lens = np.full(n, layout.tokens // n, np.int32)
+        n = 1 if every_option and draws == 1 else min(layout.seqs, layout.tokens // draws)
+        lens = np.full(n, draws, np.int32)
         lens[-1] += layout.tokens - lens.sum()
         cu = b.cu_q_lens
         np.cumsum(lens, out=cu[1:n + 1])

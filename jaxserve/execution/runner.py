@@ -10,7 +10,7 @@
    host (one small array, its copy started at launch) when the engine gets round to it, a step later.
    It notes when they arrived and whether the host had to wait for them: the engine's step-time
    measurements (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up,
-   after `run_warmup_batches` has run it through its loops and branches once.
+   and `run_warmup_batches` runs it once through its loops and branches.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
 5. With LoRA, the adapters' slot stacks (`jaxserve/lora/slots.py`) are one more input of every step;
    `write_lora(slot, adapter)` fills a slot between steps, and no step program changes.
