@@ -290,8 +290,10 @@ class E2EModel:
             windows = []
             for _ in range(a.e2e_repeats):
                 running = engine.scheduler.running
-                if len(running) != n or not all(r.is_decoding for r in running):
-                    raise RuntimeError(f"{len(running)} sequences running, not {n} decoding")
+                # Past its prompt, not `is_decoding`: with --e2e-ngram a step verifying drafts may be in flight,
+                # its tokens counted as computed before the host knows how many stand.
+                if len(running) != n or not all(r.num_computed >= r.num_prompt_tokens for r in running):
+                    raise RuntimeError(f"{len(running)} sequences running, not {n} past their prompts")
                 kv_first = sum(r.num_computed + 1 for r in running)  # the next step's kv_lens, summed
                 jax.block_until_ready(engine.runner.kv_cache)
                 made, t0 = engine.stats.generation_tokens, time.perf_counter()
