@@ -12,14 +12,17 @@ its second (1.0x: warm-up left nothing to pay).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
 from jaxserve import LLM
 from jaxserve.entrypoints.args import parse_token_buckets
+from jaxserve.execution.runner import ModelRunner
 from jaxserve.sampling.params import SamplingParams
 
 
@@ -55,12 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.waves.split(",")]
     rows, tokens = {}, {}
     for label in ("without", "with"):
-        if label == "without":  # the engine as it was before the warm-up batches: idle steps only
-            from jaxserve.execution.runner import ModelRunner
-            saved, ModelRunner.run_warmup_batches = ModelRunner.run_warmup_batches, lambda self, bucket: None
-        llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **buckets)
-        if label == "without":
-            ModelRunner.run_warmup_batches = saved
+        # "without": the engine as it was before the warm-up batches, idle steps only
+        skipped = mock.patch.object(ModelRunner, "run_warmup_batches", lambda self, bucket: None)
+        with skipped if label == "without" else contextlib.nullcontext():
+            llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, **buckets)
         rows[label], tokens[label] = waves(llm, sizes, args.prompt_len, args.max_tokens, seed=0)
         del llm
     assert tokens["with"] == tokens["without"], "the warm-up batches changed what requests get"

@@ -63,11 +63,10 @@ def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, e
 
 def snapshot(engine):
     """The KV cache without its null pages, and the sampler state without its scratch row, on the host."""
-    runner = engine.runner
-    layers = runner.kv_cache.k if isinstance(runner.kv_cache.k, list) else [runner.kv_cache.k]
-    pages = engine.scheduler.allocator.num_pages
+    runner, pages = engine.runner, engine.scheduler.allocator.num_pages
+    # Every K and V array, per layer or folded ([KVH, L * P, ...]: a null page every P pages).
     kv = [np.delete(np.asarray(a), np.arange(NULL_PAGE, a.shape[1], pages), axis=1)
-          for a in layers + (runner.kv_cache.v if isinstance(runner.kv_cache.v, list) else [runner.kv_cache.v])]
+          for a in jax.tree.leaves(runner.kv_cache)]
     state = [np.asarray(x)[:-1] for x in jax.tree.leaves(runner.sampler_state)]
     return kv, state
 
