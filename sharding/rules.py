@@ -53,6 +53,11 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"/(mlp|block_sparse_moe)/gate/kernel$", (None, None)),
     (r"/experts/(gate_proj|up_proj|w1|w3)$", ("experts", None, "expert_mlp")),
     (r"/experts/(down_proj|w2)$", ("experts", "expert_mlp", None)),
+    # Feature-major layers, weights [out, in] with q/k/v and gate/up fused (jaxserve/model/feature_major.py):
+    # they run on one device only, so nothing in them is split.
+    (r"/fused_projections/weight$", (None, None)),
+    (r"/fused_projections/bias$", (None,)),
+    (r"(^lm_head|/o_proj|/down_proj|/gate)/weight$", (None, None)),  # /gate: a mixture of experts' router
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...]] = {

@@ -28,6 +28,10 @@ def test_auto_takes_feature_major_products_for_float32_models_from_the_threshold
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, devices=2) == "eigen"  # needs one device
     # a mapped checkpoint's weights stay where they lie: turning them would copy the model at every start
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, weights_in_place=True) == "eigen"
+    # ... unless the file stores them turned already (`jaxserve convert --format mapped` on a CPU)
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, weights_in_place=True,
+                               stored_turned=True) == FEATURE_MAJOR
+    assert resolve_cpu_matmuls("auto", "cpu", big, jnp.float32, devices=2, stored_turned=True) == "eigen"
     assert resolve_cpu_matmuls(FEATURE_MAJOR, "cpu", big, jnp.float32, weights_in_place=True) == FEATURE_MAJOR
     assert resolve_cpu_matmuls("auto", "cpu", small, jnp.float32) == "ynnpack"  # attention's tiny products
     assert resolve_cpu_matmuls("auto", "cpu", big, jnp.bfloat16) == "ynnpack"

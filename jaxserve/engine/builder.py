@@ -34,6 +34,7 @@ from jaxserve.loader.formats import checkpoint_format, open_checkpoint
 from jaxserve.loader.load import load_weights
 from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
+from jaxserve.loader.turned import UnturningReader, stored_turned
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
@@ -112,9 +113,14 @@ def build_model(args: EngineArgs) -> BuiltModel:
                                        stored_quantization(args.model), args.quantize_embedding)
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
         logger.warning("%s", warning)
-    model = load_weights(reader, config, dtype, plan)
+    matmuls = _cpu_matmuls(args, config, dtype, plan)
+    # A checkpoint stored feature-major is read as it lies where the products run so, else turned back.
+    turned = stored_turned(args.model) and matmuls == FEATURE_MAJOR
+    if stored_turned(args.model) and not turned:
+        reader = UnturningReader(reader, config, dtype)
+    model = load_weights(reader, config, dtype, plan, feature_major=turned)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
-    built = _finish_build(args, name, model, config, tokenizer, dtype)
+    built = _finish_build(args, name, model, config, tokenizer, dtype, matmuls)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 
@@ -126,8 +132,18 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
     reader, config = quantized_loading(ModuleReader(module), config, args.quantization,
                                        strategy=args.quantization_strategy, lm_head=args.quantize_lm_head,
                                        embedding=args.quantize_embedding)
-    model = load_weights(reader, config, dtype, _mesh_plan(args, config))
-    return _finish_build(args, name, model, config, tokenizer, dtype)
+    plan = _mesh_plan(args, config)
+    model = load_weights(reader, config, dtype, plan)
+    return _finish_build(args, name, model, config, tokenizer, dtype, _cpu_matmuls(args, config, dtype, plan))
+
+
+def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan) -> str | None:
+    """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
+    feature-major is loaded as it lies only for the feature-major products."""
+    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
+    return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
+                               devices=plan.tp * plan.pp, weights_in_place=in_place,
+                               stored_turned=stored_turned(args.model))
 
 
 def _mesh_plan(args: EngineArgs, config: ModelConfig):
@@ -164,8 +180,8 @@ def token_buckets_for(budget: int, dtype) -> tuple[int, ...]:
 
 
 def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer,
-                  dtype) -> BuiltModel:
-    """Everything but the weights, for a model already on its mesh."""
+                  dtype, matmuls: str | None) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library."""
     attention = select_attention_backend(args.attention_backend)
     if resolve_layer_loop(args.layer_loop, jax.default_backend()) == "scan":
         model = scan_layers(model)
@@ -187,9 +203,9 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
-    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                                  devices=model.plan.tp * model.plan.pp, weights_in_place=in_place)
-    if matmuls == FEATURE_MAJOR:
+    if matmuls == FEATURE_MAJOR and model.feature_major:
+        logger.info("linear layers feature-major: stored so by `jaxserve convert`, used where they lie")
+    elif matmuls == FEATURE_MAJOR:
         start = time.perf_counter()
         model = feature_major(model, weights_in_place=in_place)
         logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s",

@@ -53,7 +53,8 @@ def _convert(ns: argparse.Namespace) -> int:
     initialize(ns.distributed_coordinator, ns.num_processes, ns.process_id)
     parallel = ParallelConfig(ns.tensor_parallel_size, ns.pipeline_parallel_size, ns.enable_expert_parallel)
     convert(ns.model, ns.output, ns.dtype, parallel, format=ns.format, quantization=ns.quantization,
-            quantize_lm_head=ns.quantize_lm_head, quantize_embedding=ns.quantize_embedding)
+            quantize_lm_head=ns.quantize_lm_head, quantize_embedding=ns.quantize_embedding,
+            linear_layout=ns.linear_layout)
     sys.stdout.write(f"{ns.output}\n")
     return 0
 
@@ -95,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --quantization: the LM head quantized as well")
     conv.add_argument("--quantize-embedding", action="store_true",
                       help="with --quantization: the token embedding quantized as well (one scale per token)")
+    conv.add_argument("--linear-layout", default="auto", choices=["auto", "model", "feature-major"],
+                      help="with --format mapped: feature-major stores the linear layers [out, in] with q/k/v and "
+                           "gate/up fused, as a CPU's fastest products read them, so a CPU start uses them in "
+                           "place (elsewhere they are turned back at load); model keeps the model's own layout; "
+                           "auto: feature-major when converting on a CPU a model that runs so there")
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
 

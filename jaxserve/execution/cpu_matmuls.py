@@ -16,7 +16,8 @@ product run as `W @ x.T` in YNNPACK (`ynnpack-feature-major`, jaxserve/model/fea
 greedy tokens (docs/performance.md, "Feature-major products"). So `auto` takes it for float32 weights from
 `EIGEN_FROM_HIDDEN` features up (and per-channel dynamic int8 ones) on one device; Eigen for such float32
 weights on a mesh (the turned kernels would need turned partition rules) and from a mapped checkpoint
-(whose weights are used where they lie; turning them copies them); XLA's default everywhere else. The
+stored in the model's own layout (whose weights are used where they lie; turning them copies them; a
+mapped checkpoint converted on a CPU stores them turned); XLA's default everywhere else. The
 library is a compile option of the step programs (part of their cache keys), so it touches nothing else
 in the process. Reductions stay in YNNPACK either way: XLA's own emitter ran the attention's
 multiply-and-sum formulation 12x slower.
@@ -37,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import CPU_MATMUL_LIBRARIES, ModelConfig
+from jaxserve.model.feature_major import turning_pays
 
 EIGEN_FROM_HIDDEN = 512  # stories260K (64) is faster in YNNPACK, the 124.7M model (768) turned or in Eigen
 FEATURE_MAJOR = "ynnpack-feature-major"  # weights [out, in], products W @ x.T (jaxserve/model/feature_major.py)
@@ -48,24 +50,23 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, devices: int = 1,
-                        weights_in_place: bool = False) -> str | None:
+                        weights_in_place: bool = False, stored_turned: bool = False) -> str | None:
     """'ynnpack', 'eigen' or 'ynnpack-feature-major' on a CPU, None elsewhere (the options do not exist
     there). `devices`: the model's tensor x pipeline parallel size; feature-major layers need one.
     `weights_in_place`: the weights are views of a mapped checkpoint's file (`jaxserve convert --format
     mapped`); `auto` leaves them in place rather than turn them, which would copy the model at every start
-    (the 124.7M model: 0.7 s more to start and 1.5x the peak memory; issue 15's start-up targets)."""
+    (the 124.7M model: 0.7 s more to start and 1.5x the peak memory; issue 15's start-up targets), unless
+    `stored_turned`: the file holds them turned already (`jaxserve convert --format mapped` on a CPU)."""
     if choice not in CPU_MATMUL_LIBRARIES:
         raise ValueError(f"cpu_matmul_library must be one of {', '.join(CPU_MATMUL_LIBRARIES)}, got {choice!r}")
     if platform != "cpu":
         return None
     if choice == "auto":
-        quantized = config.linear_quantization
-        float32 = jnp.dtype(dtype) == jnp.float32 and quantized is None
-        wide = config.hidden_size >= EIGEN_FROM_HIDDEN
-        if wide and devices == 1 and not weights_in_place and (float32 or _turnable(quantized)):
+        float32 = jnp.dtype(dtype) == jnp.float32 and config.linear_quantization is None
+        if turning_pays(config, dtype, devices) and (not weights_in_place or stored_turned):
             choice = FEATURE_MAJOR
         else:
-            choice = "eigen" if wide and float32 else "ynnpack"
+            choice = "eigen" if config.hidden_size >= EIGEN_FROM_HIDDEN and float32 else "ynnpack"
     if choice == FEATURE_MAJOR and devices != 1:
         raise ValueError(f"cpu_matmul_library {FEATURE_MAJOR!r} runs on one device, not on {devices}")
     if choice == "eigen" and not _xla_knows_the_option():
@@ -73,12 +74,6 @@ def resolve_cpu_matmuls(choice: str, platform: str, config: ModelConfig, dtype, 
                        YNN_FUSION_OPTION)
         return "ynnpack"
     return choice
-
-
-def _turnable(spec) -> bool:
-    """int8 layers quantized per channel and run dynamic_int8 per row: their codes run turned [out, in]."""
-    return (spec is not None and spec.codes == "int8" and spec.strategy == "dynamic_int8" and spec.block_size is None
-            and spec.act_block is None)
 
 
 @functools.cache

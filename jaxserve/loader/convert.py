@@ -3,7 +3,8 @@
 1. `orbax` (the default) is for meshes: the parameters are loaded onto the current mesh (each device
    reading its own slices) and saved by Orbax in the model's own layout (`orbax.py`).
 2. `mapped` is for fast starts: safetensors in the model's own layout and dtype, aligned for use in
-   place (`mapped.py`); written by one process.
+   place (`mapped.py`); written by one process. Converted on a CPU, a model whose products a CPU runs
+   feature-major is stored so (`linear_layout`, `turned.py`), so that a start uses it where it lies.
 3. Either way the tokenizer and config files are copied beside the weights and the directory is marked
    with its format (`formats.py`), last, so a half-written directory is never taken for a checkpoint.
 4. Quantized linear layers are stored as they run, in either format: quantized here (`quantization`, as
@@ -29,16 +30,22 @@ from jaxserve.loader.placement import param_entries, param_specs
 from jaxserve.loader.quantized import (checkpoint_quantization, describe_stored, made_for_float_activations,
                                        quantized_loading, requantizes)
 from jaxserve.loader.safetensors import SafetensorsReader
+from jaxserve.loader.turned import FEATURE_MAJOR_LAYOUT, TurningReader
+from jaxserve.model.feature_major import turning_pays
 from sharding import ParallelConfig, make_plan
 
 logger = logging.getLogger(__name__)
 
+LINEAR_LAYOUTS = ("auto", "model", FEATURE_MAJOR_LAYOUT)
+
 
 def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "auto",
             parallel: ParallelConfig | None = None, format: str = "orbax", quantization: str | None = None,
-            quantize_lm_head: bool = False, quantize_embedding: bool = False) -> Path:
+            quantize_lm_head: bool = False, quantize_embedding: bool = False, linear_layout: str = "auto") -> Path:
     """Hugging Face directory -> an Orbax or a mapped checkpoint directory (see the module docstring).
-    `quantization`, `quantize_lm_head`, `quantize_embedding`: as the same flags at a load."""
+    `quantization`, `quantize_lm_head`, `quantize_embedding`: as the same flags at a load. `linear_layout`
+    (mapped only): `feature-major` stores the linear layers as a CPU runs them, `model` in the model's own
+    layout, `auto` the first on a CPU for a model that runs so there by default (`turning_pays`)."""
     if checkpoint_format(model_dir):
         raise ValueError(f"{model_dir} is already a converted checkpoint: convert from the Hugging Face directory")
     config = ModelConfig.from_pretrained(model_dir)
@@ -50,6 +57,11 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         raise ValueError(f"format must be orbax or mapped; got {format!r}")
     if format == "mapped" and jax.process_count() > 1:
         raise ValueError("--format mapped is written by one process: run convert on one host")
+    if linear_layout not in LINEAR_LAYOUTS:
+        raise ValueError(f"linear_layout must be one of {', '.join(LINEAR_LAYOUTS)}; got {linear_layout!r}")
+    if linear_layout == FEATURE_MAJOR_LAYOUT and format != "mapped":
+        raise ValueError("--linear-layout feature-major is stored by --format mapped only (Orbax is for meshes, "
+                         "and feature-major layers run on one device)")
     ckpt = checkpoint_quantization(model_dir)
     reader, config = quantized_loading(SafetensorsReader(model_dir), config, quantization, ckpt,
                                        lm_head=quantize_lm_head, embedding=quantize_embedding)
@@ -60,7 +72,11 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         marker["linear_quantization"] = describe_stored(
             spec, made_for_float_activations(ckpt) and not requantizes(quantization, ckpt))
     if format == "mapped":
-        count = write_mapped(reader, param_specs(config, DTYPES[name]), output)
+        turned = linear_layout == FEATURE_MAJOR_LAYOUT or (
+            linear_layout == "auto" and jax.default_backend() == "cpu" and turning_pays(config, DTYPES[name], 1))
+        if turned:
+            reader, marker["linear_layout"] = TurningReader(reader, config, DTYPES[name]), FEATURE_MAJOR_LAYOUT
+        count = write_mapped(reader, param_specs(config, DTYPES[name], feature_major=turned), output)
         mark_converted(model_dir, output, marker)
     else:
         plan = make_plan(parallel or ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
@@ -70,8 +86,9 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         count = len(entries)
         if jax.process_index() == 0:
             mark_converted(model_dir, output, {**marker, "params": PARAMS_DIR})
-    logger.info("wrote %s checkpoint %s (%d tensors, %s%s) from %s", format, output, count, name,
-                f", linear layers {spec.codes}" if spec else "", model_dir)
+    logger.info("wrote %s checkpoint %s (%d tensors, %s%s%s) from %s", format, output, count, name,
+                f", linear layers {spec.codes}" if spec else "",
+                ", linear layers feature-major" if marker.get("linear_layout") else "", model_dir)
     return output
 
 

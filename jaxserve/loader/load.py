@@ -21,17 +21,19 @@ from jaxserve.config import ModelConfig
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.placement import ModuleReader, ShardedModel, assemble, param_entries
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
+from jaxserve.loader.turned import UnturningReader, stored_turned
 from sharding import ParallelConfig, make_plan
 from sharding.mesh import MeshPlan
 
 logger = logging.getLogger(__name__)
 
 
-def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
-    """Every parameter `reader` holds, placed on the mesh of `plan`."""
+def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan, feature_major: bool = False) -> ShardedModel:
+    """Every parameter `reader` holds, placed on the mesh of `plan`; `feature_major`: the reader holds the
+    linear layers turned (`turned.py`), and the model is built so."""
     start = time.perf_counter()
-    entries = param_entries(config, dtype, plan)
-    model = assemble(reader.read(entries), config, dtype, plan)
+    entries = param_entries(config, dtype, plan, feature_major=feature_major)
+    model = assemble(reader.read(entries), config, dtype, plan, feature_major)
     seconds = time.perf_counter() - start
     logger.info("weights: %d tensors, %.1f MB on the mesh, from %s as %s in %.1fs (%.2f GB/s)", len(entries),
                 model.num_bytes / 1e6, reader.description, jnp.dtype(dtype).name, seconds,
@@ -41,9 +43,12 @@ def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedM
 
 def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
     """Any supported checkpoint directory onto the mesh of `plan`, each device reading its shards; quantized
-    linear layers as the checkpoint stores them (the returned model's config says how)."""
+    linear layers as the checkpoint stores them (the returned model's config says how), in the model's own
+    layout (a feature-major mapped checkpoint's layers turned back: `turned.py`)."""
     reader, config = quantized_loading(open_checkpoint(model_dir), config, None, checkpoint_quantization(model_dir),
                                        stored=stored_quantization(model_dir))
+    if stored_turned(model_dir):
+        reader = UnturningReader(reader, config, dtype)
     return load_weights(reader, config, dtype, plan)
 
 

@@ -55,6 +55,7 @@ class ShardedModel:
     params: nnx.State  # runtime arrays on plan.mesh
     dtype: object
     layer_repeats: int = 1  # > 1: one period of layers, parameters stacked that deep (`scan_layers`)
+    feature_major: bool = False  # linear layers turned as a CPU runs them (`feature_major`, loader/turned.py)
 
     @property
     def shardings(self):
@@ -69,16 +70,19 @@ class ShardedModel:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
 
 
-def param_specs(config: ModelConfig, dtype) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
-    """Every parameter of the full model: (path, shape and dtype), in the module's order."""
-    _, state = nnx.split(abstract_model(config, dtype))
+def param_specs(config: ModelConfig, dtype,
+                feature_major: bool = False) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
+    """Every parameter of the full model (its linear layers turned with `feature_major`): (path, shape and
+    dtype), in the module's order."""
+    _, state = nnx.split(abstract_model(config, dtype, feature_major))
     return [(tuple(str(p) for p in path), spec) for path, spec in flatten(nnx.to_pure_dict(state))]
 
 
-def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True) -> list[ParamEntry]:
+def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True,
+                  feature_major: bool = False) -> list[ParamEntry]:
     mesh_shape = dict(plan.mesh.shape)
     entries = []
-    for path, spec in param_specs(config, dtype):
+    for path, spec in param_specs(config, dtype, feature_major):
         layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad, expert_parallel=plan.expert_parallel)
         mesh = plan.stage_mesh(int(path[1]) // plan.layers_per_stage) if is_layer_param(path) else plan.mesh
         entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
@@ -169,10 +173,11 @@ def check_stage_pattern(config: ModelConfig, plan: MeshPlan) -> None:
                              f"the layer pattern")
 
 
-def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
+def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, plan: MeshPlan,
+             feature_major: bool = False) -> ShardedModel:
     check_stage_pattern(config, plan)
     stage = config.first_layers(plan.layers_per_stage)
-    graphdef, state = nnx.split(abstract_model(stage, dtype))
+    graphdef, state = nnx.split(abstract_model(stage, dtype, feature_major))
     runtime = nnx.to_pure_dict(state)
     for path, _ in list(flatten(runtime)):
         key = tuple(str(p) for p in path)
@@ -188,7 +193,8 @@ def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, pla
             value = arrays.pop(key)
         set_path(runtime, path, value)
     nnx.replace_by_pure_dict(state, runtime)
-    return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype)
+    return ShardedModel(plan=plan, config=config, graphdef=graphdef, params=state, dtype=dtype,
+                        feature_major=feature_major)
 
 
 def scan_layers(model: ShardedModel) -> ShardedModel:
@@ -202,7 +208,7 @@ def scan_layers(model: ShardedModel) -> ShardedModel:
     repeats = len(layers) // period
     if repeats == 1:
         return model
-    template = abstract_model(stage_config.first_layers(period), model.dtype)
+    template = abstract_model(stage_config.first_layers(period), model.dtype, model.feature_major)
     template.layer_repeats = repeats
     graphdef, state = nnx.split(template)
     current = {tuple(str(p) for p in path): a for path, a in flatten(nnx.to_pure_dict(model.params))}
@@ -233,7 +239,10 @@ def feature_major(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     """The model with its linear layers feature-major (`jaxserve/model/feature_major.py`). Single device
     only: under tensor or pipeline parallelism the kernels' partition specs would have to turn with them,
     and a CPU serves from one device. `weights_in_place`: the arrays are views of a mapped checkpoint's file,
-    so the ones left as loaded are copied too (below)."""
+    so the ones left as loaded are copied too (below). A model loaded turned (`jaxserve/loader/turned.py`)
+    comes back as it is."""
+    if model.feature_major:
+        return model
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
     loaded = {id(a) for a in jax.tree.leaves(model.params)} if weights_in_place else set()
@@ -244,4 +253,4 @@ def feature_major(model: ShardedModel, weights_in_place: bool = False) -> Sharde
         # A mapped file stays mapped (and every page read from it resident, the old kernels' too) while any
         # view of it lives: with the embedding and norms copied as well, the model holds only its own memory.
         params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)
-    return dataclasses.replace(model, graphdef=graphdef, params=params)
+    return dataclasses.replace(model, graphdef=graphdef, params=params, feature_major=True)

@@ -19,7 +19,8 @@ and 512 too, so they need no islands (a one-row step is padded to two rows as be
 `feature_major_linears(model)` turns a loaded model into this form once, after loading
 (`jaxserve/loader/placement.py`'s `feature_major`): every `nnx.Linear` of the decoder layers and the untied
 LM head becomes a `FeatureMajorLinear` holding its transposed kernel, with q/k/v and gate/up fused into one
-product each (`FusedProjections`). The stored formats, the partition rules and the loader are untouched.
+product each (`FusedProjections`). A mapped checkpoint can store the turned form itself (`jaxserve convert
+--format mapped`, jaxserve/loader/turned.py), so that a start uses it where it lies instead of turning a copy.
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ from jaxserve.model.quantized_linear import QuantizedLinear
 # one chain with [out, in] weights, YNNPACK: 62.7 against 63.2 ms at 64 tokens, 104.6 / 111.2 at 128,
 # 387 / 519 at 512, 1678 / 2295 at 2048), and from 256 up also faster than Eigen's `x @ W`.
 ISLAND_BELOW_ROWS = 64
+
+# From this hidden size up the turned products paid (the 124.7M model, 768); stories260K (64) ran faster as it
+# was, its step being attention's small products rather than the weights' (jaxserve/execution/cpu_matmuls.py).
+TURNED_FROM_HIDDEN = 512
+
+
+def turning_pays(config, dtype, devices: int) -> bool:
+    """Whether a CPU runs this model's products feature-major by default: float32 linear layers, or int8 ones
+    whose codes run turned, of hidden size `TURNED_FROM_HIDDEN` up, on one device (on a mesh the partition
+    specs would have to turn with the kernels)."""
+    spec = config.linear_quantization
+    float32 = jnp.dtype(dtype) == jnp.float32 and spec is None
+    turnable = (spec is not None and spec.codes == "int8" and spec.strategy == "dynamic_int8"
+                and spec.block_size is None and spec.act_block is None)
+    return config.hidden_size >= TURNED_FROM_HIDDEN and devices == 1 and (float32 or turnable)
 
 
 def feature_major_product(weight: jax.Array, x: jax.Array) -> jax.Array:

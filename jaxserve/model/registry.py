@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxserve.model.feature_major import feature_major_linears
 from jaxserve.model.gemma import GemmaForCausalLM
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.moe import MoEForCausalLM
@@ -31,14 +32,17 @@ def model_class(config: ModelConfig):
                          f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
 
 
-def abstract_model(config: ModelConfig, dtype) -> nnx.Module:
+def abstract_model(config: ModelConfig, dtype, feature_major: bool = False) -> nnx.Module:
     """The model as shapes and dtypes only (`nnx.eval_shape`: no memory, no random init); with
-    `config.linear_quantization`, its decoder layers' linear layers are quantized ones."""
+    `config.linear_quantization`, its decoder layers' linear layers are quantized ones; `feature_major`: its
+    linear layers turned as a CPU runs them (jaxserve/model/feature_major.py)."""
     cls = model_class(config)
 
     def build():
         model = cls(config, dtype=dtype, rngs=nnx.Rngs(0))
-        return model if config.linear_quantization is None else quantize_linears(model, config.linear_quantization)
+        if config.linear_quantization is not None:
+            model = quantize_linears(model, config.linear_quantization)
+        return feature_major_linears(model) if feature_major else model
 
     return nnx.eval_shape(build)
 

@@ -86,6 +86,16 @@ def test_mapped_checkpoint_loads_on_a_mesh_like_safetensors(stories_dir, mapped,
     _assert_loads_like_safetensors(mapped, stories_dir, tp, pp)
 
 
+@pytest.mark.parametrize("tp, pp", [(4, 2), (2, 1)])
+def test_a_feature_major_mapped_checkpoint_loads_on_a_mesh_turned_back(stories_dir, tmp_path_factory, tp, pp):
+    """A mapped checkpoint stored turned on a CPU (jaxserve/loader/turned.py) still serves a mesh: every shard
+    is read from the fused [out, in] tensors and turned back, equal to the Hugging Face load."""
+    from jaxserve.loader.convert import convert
+    out = convert(stories_dir, tmp_path_factory.mktemp("turned") / "fm", format="mapped",
+                  linear_layout="feature-major")
+    _assert_loads_like_safetensors(out, stories_dir, tp, pp)
+
+
 def test_mapped_checkpoint_shards_split_by_rows_are_the_files_pages(stories_dir, mapped):
     config = ModelConfig.from_pretrained(stories_dir)
     plan = make_plan(ParallelConfig(2, 1), num_layers=config.num_layers, num_heads=config.num_heads,
