@@ -192,3 +192,15 @@ def test_first_wave_benchmark_runs_on_stories260k(capsys, stories_dir):
     assert "| 1 | 2 |" in out and "| 2 | 2 |" in out
     assert "with warm-up batches: first wave over the next of its size:" in out
     assert "Reproduce: ./dev run python benchmarks/first_wave.py --model" in out
+
+
+def test_mapped_layout_benchmark_runs_on_stories260k(capsys, stories_dir):
+    """Both mapped layouts and the Hugging Face directory start and decode in their own processes, with the
+    same tokens (stories260K runs its products as they are, so its turned checkpoint is read turned back)."""
+    bench = load("mapped_layout")
+    argv = ["--model", str(stories_dir), "--rounds", "1", "--new-tokens", "4", "--speed-buckets", "16"]
+    assert bench.main(argv) == 0  # it asserts itself that every checkpoint gave the same tokens
+    out = capsys.readouterr().out
+    assert "| mapped, stored feature-major |" in out and "| Hugging Face directory |" in out
+    assert "(1.00x)" in out  # the model's own layout is the baseline
+    assert "Reproduce: ./dev run python benchmarks/mapped_layout.py --model" in out
