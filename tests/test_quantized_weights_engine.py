@@ -161,6 +161,8 @@ def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_ser
     params = SamplingParams(temperature=0, max_tokens=32)
     served = LLM(str(mapped), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
     assert (served.engine.precision.linear_codes, served.engine.precision.linear_strategy) == ("int8", "dynamic_int8")
+    # the startup log says where the codes came from: read as stored, not quantized at every start
+    assert served.engine.precision.linear_source == "quantized by `jaxserve convert`"
     reference = LLM(str(stories_dir), quantization="int8", max_num_seqs=1, max_model_len=128, token_buckets=(64,))
     assert (served.generate(["Once upon a time"], params)[0].outputs[0].token_ids ==
             reference.generate(["Once upon a time"], params)[0].outputs[0].token_ids)

@@ -81,9 +81,20 @@ def stored_quantization(model_dir: str | Path | None) -> dict | None:
     return None if stored is None else {"embedding": False, **stored}
 
 
+QUANTIZED_AT_LOAD = "quantized at load"
+QUANTIZED_BY_CONVERT = "quantized by `jaxserve convert`"
+
+
 def describe_stored(spec: LinearQuantization, float_activations: bool) -> dict:
     """The marker entry for linear layers stored as `spec` (`stored_quantization` reads it back)."""
-    return {**{name: getattr(spec, name) for name in STORED_FIELDS}, "float_activations": float_activations}
+    entry = {name: getattr(spec, name) for name in STORED_FIELDS}
+    return {**entry, "source": _stored_source(entry["source"]), "float_activations": float_activations}
+
+
+def _stored_source(source: str) -> str:
+    """Where stored codes came from, as the startup log says it: layers `convert` quantized are read as they lie
+    at every start, not quantized at load (markers written before this said that)."""
+    return QUANTIZED_BY_CONVERT if source == QUANTIZED_AT_LOAD else source
 
 
 def requantizes(requested: str | None, ckpt: CheckpointQuantization | None) -> bool:
@@ -131,7 +142,8 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
                              f"{codes} linear layers ({stored['source']}): leave --quantization out to serve "
                              f"it as stored, or convert the Hugging Face checkpoint again")
         strategy, min_rows = choose_strategy(codes, platform, stored["float_activations"])
-        return LinearQuantization(codes, stored["block_size"], strategy, min_rows, source=stored["source"],
+        return LinearQuantization(codes, stored["block_size"], strategy, min_rows,
+                                  source=_stored_source(stored["source"]),
                                   lm_head=stored["lm_head"], embedding=stored["embedding"])
     if ckpt is not None and requantizes(requested, ckpt):
         strategy, min_rows = choose_strategy("int8", platform)
@@ -149,7 +161,7 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
     if requested in (None, "none"):
         return None
     strategy, min_rows = choose_strategy(requested, platform)
-    return LinearQuantization(requested, None, strategy, min_rows, source="quantized at load")
+    return LinearQuantization(requested, None, strategy, min_rows, source=QUANTIZED_AT_LOAD)
 
 
 def quantized_loading(reader, config: ModelConfig, requested: str | None,
