@@ -141,3 +141,14 @@ def test_the_layout_is_chosen_for_the_cpu_and_refused_where_it_cannot_be(stories
         convert(stories_dir, tmp_path / "orbax", format="orbax", linear_layout="feature-major")
     with pytest.raises(ValueError, match="linear_layout must be one of"):
         convert(stories_dir, tmp_path / "bad", format="mapped", linear_layout="columns")
+
+
+def test_a_turned_float_checkpoint_quantized_at_load_is_turned_back_first(turned_stories, stories_dir):
+    """`--quantization int8` on a float checkpoint stored turned: the quantizer reads the kernels turned back
+    ([in, out]), and a feature-major engine turns its codes again at start; the tokens are those of the
+    Hugging Face directory quantized at load."""
+    int8 = dict(ENGINE, quantization="int8", cpu_matmul_library="ynnpack-feature-major")
+    from_turned, from_hf = LLM(str(turned_stories), **int8), LLM(str(stories_dir), **int8)
+    assert from_turned.engine.precision.linear_codes == "int8"
+    assert ([o.outputs[0].token_ids for o in from_turned.generate(PROMPTS, GREEDY)] ==
+            [o.outputs[0].token_ids for o in from_hf.generate(PROMPTS, GREEDY)])

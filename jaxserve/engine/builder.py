@@ -108,15 +108,20 @@ def build_model(args: EngineArgs) -> BuiltModel:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
     reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
+    stored = stored_quantization(args.model)
+    # A checkpoint stored feature-major is read as it lies where the products run so, else turned back; its
+    # float kernels turned back first when they are quantized at load (the quantizer reads [in, out] kernels).
+    layout_stored = stored_turned(args.model)
+    if layout_stored and args.quantization is not None and stored is None:
+        reader, layout_stored = UnturningReader(reader, config, dtype), False
     reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
-                                       args.quantization_strategy, args.quantize_lm_head,
-                                       stored_quantization(args.model), args.quantize_embedding)
+                                       args.quantization_strategy, args.quantize_lm_head, stored,
+                                       args.quantize_embedding)
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
         logger.warning("%s", warning)
-    matmuls = _cpu_matmuls(args, config, dtype, plan)
-    # A checkpoint stored feature-major is read as it lies where the products run so, else turned back.
-    turned = stored_turned(args.model) and matmuls == FEATURE_MAJOR
-    if stored_turned(args.model) and not turned:
+    matmuls = _cpu_matmuls(args, config, dtype, plan, layout_stored)
+    turned = layout_stored and matmuls == FEATURE_MAJOR
+    if layout_stored and not turned:
         reader = UnturningReader(reader, config, dtype)
     model = load_weights(reader, config, dtype, plan, feature_major=turned)
     name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
@@ -137,13 +142,12 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
     return _finish_build(args, name, model, config, tokenizer, dtype, _cpu_matmuls(args, config, dtype, plan))
 
 
-def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan) -> str | None:
+def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan, layout_stored: bool = False) -> str | None:
     """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
-    feature-major is loaded as it lies only for the feature-major products."""
+    feature-major (`layout_stored`) is loaded as it lies only for the feature-major products."""
     in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
     return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                               devices=plan.tp * plan.pp, weights_in_place=in_place,
-                               stored_turned=stored_turned(args.model))
+                               devices=plan.tp * plan.pp, weights_in_place=in_place, stored_turned=layout_stored)
 
 
 def _mesh_plan(args: EngineArgs, config: ModelConfig):
