@@ -74,7 +74,12 @@ def param_specs(config: ModelConfig, dtype,
                 feature_major: bool = False) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
     """Every parameter of the full model (its linear layers turned with `feature_major`): (path, shape and
     dtype), in the module's order."""
-    _, state = nnx.split(abstract_model(config, dtype, feature_major))
+    return module_specs(abstract_model(config, dtype, feature_major))
+
+
+def module_specs(module: nnx.Module) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
+    """Every parameter of `module` (abstract or not): (path, its value), in the module's order."""
+    _, state = nnx.split(module)
     return [(tuple(str(p) for p in path), spec) for path, spec in flatten(nnx.to_pure_dict(state))]
 
 
@@ -239,10 +244,7 @@ def feature_major(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     """The model with its linear layers feature-major (`jaxserve/model/feature_major.py`). Single device
     only: under tensor or pipeline parallelism the kernels' partition specs would have to turn with them,
     and a CPU serves from one device. `weights_in_place`: the arrays are views of a mapped checkpoint's file,
-    so the ones left as loaded are copied too (below). A model loaded turned (`jaxserve/loader/turned.py`)
-    comes back as it is."""
-    if model.feature_major:
-        return model
+    so the ones left as loaded are copied too (below)."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
     loaded = {id(a) for a in jax.tree.leaves(model.params)} if weights_in_place else set()

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.loader.formats import checkpoint_marker
-from jaxserve.loader.placement import RegionReader, param_specs
+from jaxserve.loader.placement import RegionReader, module_specs, param_specs
 from jaxserve.loader.tree import ParamPath
 from jaxserve.model.feature_major import FeatureMajorLinear, FusedProjections
 from jaxserve.model.quantized_linear import QuantizedLinear
@@ -51,8 +51,9 @@ class Part:
 def turned_parts(config: ModelConfig, dtype) -> dict[ParamPath, tuple[Part, ...]]:
     """Every parameter path of the turned model -> the parts of the model's own layout it is made of."""
     own = {path: tuple(spec.shape) for path, spec in param_specs(config, dtype)}
+    turned = abstract_model(config, dtype, feature_major=True)
     parts: dict[ParamPath, tuple[Part, ...]] = {}
-    for node_path, node in nnx.iter_graph(abstract_model(config, dtype, feature_major=True)):
+    for node_path, node in nnx.iter_graph(turned):
         at = tuple(str(p) for p in node_path)
         if isinstance(node, FusedProjections):
             owner, starts = at[:-1], np.cumsum((0,) + node.sizes[:-1])
@@ -65,9 +66,16 @@ def turned_parts(config: ModelConfig, dtype) -> dict[ParamPath, tuple[Part, ...]
             parts[at + ("weight",)] = (Part(at + ("kernel",), own[at + ("kernel",)], 0, True),)
         elif isinstance(node, QuantizedLinear) and node.codes_out_in:
             parts[at + ("codes",)] = (Part(at + ("codes",), own[at + ("codes",)], 0, True),)
-    for path, spec in param_specs(config, dtype, feature_major=True):
+    for path, spec in module_specs(turned):
         parts.setdefault(path, (Part(path, tuple(spec.shape)),))
     return parts
+
+
+def turned_shape(parts: tuple[Part, ...]) -> tuple[int, ...]:
+    """The shape of the turned parameter made of `parts`: their outputs stacked on its axis -2 (transposed
+    parts) or on its last axis."""
+    first, extent = parts[0], sum(part.shape[-1] for part in parts)
+    return (*first.shape[:-2], extent, first.shape[-2]) if first.transposed else (*first.shape[:-1], extent)
 
 
 def _kept(parts: tuple[Part, ...]) -> Part | None:
@@ -116,9 +124,9 @@ class UnturningReader(RegionReader):
     turned parameter and transposed back. Parameters the turning left as they were are read as they lie."""
 
     def __init__(self, base: RegionReader, config: ModelConfig, dtype):
-        self.base = base
-        self.turned_shapes = {path: tuple(spec.shape) for path, spec in param_specs(config, dtype, feature_major=True)}
-        self.home = {part.source: (path, part) for path, parts in turned_parts(config, dtype).items() for part in parts}
+        self.base, parts = base, turned_parts(config, dtype)
+        self.turned_shapes = {path: turned_shape(p) for path, p in parts.items()}
+        self.home = {part.source: (path, part) for path, p in parts.items() for part in p}
 
     @property
     def description(self) -> str:
