@@ -1,5 +1,7 @@
 """How to run the experts of a step on this backend: `ragged_dot` against the tiled loop of
-`jaxserve.model.moe`, with the dense product over all experts (what masking would cost) for scale.
+`jaxserve.model.moe` over the stacked experts and over the experts held apart (`SplitExperts`: gate and up
+side by side, each tile's expert picked by lax.switch), with the dense product over all experts (what
+masking would cost) for scale.
 
     .venv/bin/python benchmarks/moe_grouped_ffn.py [--hidden 1024 --inter 384 --experts 64 --top 8]
 
@@ -52,16 +54,19 @@ def main() -> None:
     w_gate, w_up = (jnp.asarray(rng.normal(size=(e, h, i)) * 0.02, jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.normal(size=(e, i, h)) * 0.02, jnp.float32)
     print(f"backend {jax.default_backend()}, {e} experts, top {args.top}, hidden {h}, expert inter {i}")
-    print("| tokens | assignments | active experts | tiled ms | ragged_dot ms | dense all-experts ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    apart = (tuple(jnp.concatenate([w_gate[x], w_up[x]], axis=-1) for x in range(e)), None, tuple(w_down))
+    print("| tokens | assignments | active experts | tiled ms | tiled, experts apart ms | ragged_dot ms "
+          "| dense all-experts ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.tokens:
         chosen = np.stack([rng.choice(e, args.top, replace=False) for _ in range(n)]).reshape(-1)
         sizes = jnp.asarray(np.bincount(chosen, minlength=e), jnp.int32)
         rows = jnp.asarray(rng.normal(size=(n * args.top, h)), jnp.float32)
         cells = []
-        for method in ("tiled", "ragged_dot"):
+        stacked = (w_gate, w_up, w_down)
+        for method, weights in (("tiled", stacked), ("tiled", apart), ("ragged_dot", stacked)):
             fn = jax.jit(lambda *a, method=method: grouped_ffn(*a, jax.nn.silu, method))
-            cells.append(timed(fn, rows, sizes, w_gate, w_up, w_down, repeats=args.repeats))
+            cells.append(timed(fn, rows, sizes, *weights, repeats=args.repeats))
         dense = jax.jit(lambda *a: dense_all_experts(*a, jax.nn.silu))  # weights are arguments: no folding
         cells.append(timed(dense, rows, sizes, w_gate, w_up, w_down, repeats=args.repeats)
                      if n * args.top <= 512 else float("nan"))

@@ -15,7 +15,8 @@ import pytest
 
 from jaxserve.config import FULL, SLIDING, ModelConfig
 from jaxserve.loader.placement import check_stage_pattern
-from jaxserve.model.moe import grouped_ffn, routed_ffn, tile_rows
+from jaxserve.model.moe import SplitExperts, grouped_ffn, routed_ffn, split_experts, tile_rows
+from jaxserve.model.registry import random_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 FAMILY_FIXTURES = ["gemma2_softcap", "gemma3_text", "gemma3_text_hd256", "qwen3_moe", "mixtral"]
@@ -115,22 +116,52 @@ def test_moe_configs():
         ModelConfig.from_hf_dict({**cfg, "num_experts_per_tok": 9})
 
 
-@pytest.mark.parametrize("method, tile", [("tiled", None), ("tiled", 1), ("tiled", 4), ("tiled", 32),
-                                          ("tiled", 128), ("ragged_dot", None)])
-def test_grouped_ffn_matches_each_expert_applied_alone(method, tile):
+@pytest.mark.parametrize("method, tile, split", [
+    ("tiled", None, False), ("tiled", 1, False), ("tiled", 4, False), ("tiled", 32, False), ("tiled", 128, False),
+    ("ragged_dot", None, False), ("tiled", None, True), ("tiled", 4, True), ("tiled", 128, True)])
+def test_grouped_ffn_matches_each_expert_applied_alone(method, tile, split):
     """Segments of every size: empty experts, one spanning several tiles, tiles reaching into the next
-    expert's rows and past the last row, one tile taller than all the rows."""
+    expert's rows and past the last row, one tile taller than all the rows; with the experts stacked and
+    held as separate arrays (`SplitExperts`: each tile's expert picked by lax.switch)."""
     rng = np.random.default_rng(0)
     sizes = np.array([0, 5, 70, 1, 0, 33, 2, 9], np.int32)
     hidden, inter = 16, 8
     rows = jnp.asarray(rng.normal(size=(sizes.sum(), hidden)), jnp.float32)
     w_gate, w_up = (jnp.asarray(rng.normal(size=(8, hidden, inter)), jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.normal(size=(8, inter, hidden)), jnp.float32)
-    got = grouped_ffn(rows, jnp.asarray(sizes), w_gate, w_up, w_down, jax.nn.silu, method, tile)
+    weights = (w_gate, w_up, w_down) if not split else (  # gate and up side by side, as SplitExperts holds them
+        tuple(jnp.concatenate([w_gate[e], w_up[e]], axis=-1) for e in range(8)), None, tuple(w_down))
+    got = grouped_ffn(rows, jnp.asarray(sizes), *weights, jax.nn.silu, method, tile)
     expert = np.repeat(np.arange(8), sizes)
     want = jnp.einsum("ai,aih->ah", jax.nn.silu(jnp.einsum("ah,ahi->ai", rows, w_gate[expert]))
                       * jnp.einsum("ah,ahi->ai", rows, w_up[expert]), w_down[expert])
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4)
+
+
+def test_split_experts_run_only_in_the_tiled_loop():
+    gate_up, down = tuple(jnp.zeros((4, 4)) for _ in range(3)), tuple(jnp.zeros((2, 4)) for _ in range(3))
+    with pytest.raises(ValueError, match="tiled loop"):
+        grouped_ffn(jnp.zeros((3, 4)), jnp.asarray([3, 0, 0]), gate_up, None, down, jax.nn.silu, "ragged_dot")
+
+
+def test_split_experts_replace_the_stacks_with_each_experts_arrays():
+    """`split_experts` holds expert e's weights as arrays of their own, equal to the stacks' rows e (gate and up
+    side by side), and the layer computes what it computed stacked."""
+    config = ModelConfig.from_pretrained(FIXTURES / "qwen3_moe")
+    model = random_model(config, jnp.float32, seed=0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, config.hidden_size)), jnp.float32)
+    sparse = [i for i, s in enumerate(config.sparse_layers) if s]
+    layer = model.layers[sparse[0]]
+    moe = getattr(layer, layer.ffn_name)
+    before, stacks = moe(x), moe.experts.weights()
+    split_experts(model)
+    assert isinstance(moe.experts, SplitExperts) and len(moe.experts.each) == config.num_experts
+    (gate, up, down), (gate_up, no_up, down_each) = stacks, moe.experts.weights()
+    assert no_up is None and len(gate_up) == len(down_each) == config.num_experts
+    for e in range(config.num_experts):
+        np.testing.assert_array_equal(gate_up[e], np.concatenate([gate[e], up[e]], axis=-1))
+        np.testing.assert_array_equal(down_each[e], down[e])
+    np.testing.assert_allclose(moe(x), before, rtol=1e-5, atol=1e-6)
 
 
 def test_tile_rows_follow_the_rows_an_expert_gets():

@@ -7,7 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from jaxserve import LLM, SamplingParams
+from jaxserve.loader.convert import convert
+from jaxserve.model.moe import Experts, SplitExperts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
 
@@ -20,8 +24,26 @@ def test_engine_greedy_matches_transformers_generate(case, id_tokenizer):
     llm = LLM(str(FIXTURES / case), tokenizer=str(id_tokenizer), max_num_seqs=2, max_model_len=128,
               max_num_batched_tokens=16, token_buckets=(2, 16), page_size=8)
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    if case == "mixtral":  # a one-device CPU engine holds the experts apart (jaxserve/model/moe.py)
+        module = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
+        kinds = {type(node) for _, node in nnx.iter_graph(module)}
+        assert SplitExperts in kinds and Experts not in kinds
     first, other = llm.generate([prompt, prompt[:20] + [7, 9, 11]], greedy)
     assert first.outputs[0].token_ids == want
     again = llm.generate([prompt], greedy)[0]
     assert again.num_cached_tokens == 40  # five full pages of the prompt from the prefix cache
     assert again.outputs[0].token_ids == want
+
+
+def test_a_mapped_mixture_of_experts_serves_transformers_tokens_with_its_experts_apart(tmp_path, id_tokenizer):
+    """A mapped checkpoint's stacks lie in the file; the engine splits them into arrays of its own, and copies
+    the rest so that the mapping goes (jaxserve/loader/placement.py's `split_experts`): same greedy tokens."""
+    golden = np.load(FIXTURES / "mixtral" / "golden.npz")
+    prompt, want = golden["input_ids"][:int(golden["prompt_len"])].tolist(), golden["greedy"].tolist()
+    mapped = convert(FIXTURES / "mixtral", tmp_path / "mapped", "float32", format="mapped")
+    llm = LLM(str(mapped), tokenizer=str(id_tokenizer), max_num_seqs=2, max_model_len=128,
+              max_num_batched_tokens=16, token_buckets=(2, 16), page_size=8)
+    module = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
+    assert any(isinstance(node, SplitExperts) for _, node in nnx.iter_graph(module))
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == want

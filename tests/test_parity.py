@@ -42,7 +42,7 @@ def test_every_supported_model_type_has_a_fixture():
 
 def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = ParallelConfig(),
                 layer_loop: str = "unroll", token_buckets: tuple[int, ...] = (64,),
-                feature_major: bool = False) -> ModelRunner:
+                feature_major: bool = False, split_experts: bool = False) -> ModelRunner:
     config = ModelConfig.from_pretrained(FIXTURES / case)
     plan = make_plan(parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
@@ -51,6 +51,8 @@ def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = Par
         model = scan_layers(model)
     if feature_major:  # the CPU's turned linear layers (jaxserve/model/feature_major.py)
         model = placement.feature_major(model)
+    if split_experts:  # what a one-device CPU engine runs (jaxserve/model/moe.py's SplitExperts)
+        model = placement.split_experts(model)
     # One step program, the budget: prefill chunks, and the decodes (with the companions: up to 7 tokens)
     # padded to it. Parity is about the model's arithmetic, which is the same in every bucket; bucket
     # choice is the engine tests' subject. The alone and mixed runs of a case share it, compiled once per
@@ -129,6 +131,17 @@ def check_logprobs(ref_logits, token: int, logprob, rank, top_ids, top_logprobs,
 @pytest.mark.parametrize("case", CASES)
 def test_step_matches_transformers(case, mixed):
     check_parity(make_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+def test_split_experts_match_transformers(case):
+    """The experts as separate arrays, each tile's picked by lax.switch (what a one-device CPU engine runs):
+    lone one-token decodes in the 1-token bucket (one row padded to a 2-row tile), decodes beside the
+    companions in 8, prefill chunks in 64; alone and mixed."""
+    runner = make_runner(case, token_buckets=(1, 8, 64), split_experts=True)
+    golden = np.load(FIXTURES / case / "golden.npz")
+    check_parity(runner, golden, mixed=False)
+    check_parity(runner, golden, mixed=True)
 
 
 @pytest.mark.parametrize("case", ["mistral_sliding", "llama_gqa_untied", "gemma2_softcap"])

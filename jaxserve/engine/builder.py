@@ -32,7 +32,7 @@ from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import checkpoint_format, open_checkpoint
 from jaxserve.loader.load import load_weights
-from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers
+from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers, split_experts
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
 from jaxserve.loader.turned import UnturningReader, stored_turned
 from jaxserve.model.layer_loop import resolve_layer_loop
@@ -212,8 +212,15 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
     elif matmuls == FEATURE_MAJOR:
         start = time.perf_counter()
         model = feature_major(model, weights_in_place=in_place)
+        in_place = False  # every array is the model's own now
         logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s",
                     time.perf_counter() - start)
+    one_device = model.plan.tp * model.plan.pp == 1
+    if matmuls is not None and one_device and any(config.sparse_layers) and model.layer_repeats == 1:
+        start = time.perf_counter()  # a CPU engine (matmuls is None elsewhere) on one device
+        model = split_experts(model, weights_in_place=in_place)
+        logger.info("experts: %d per sparse layer held as separate arrays (%.2f s), each tile's picked by "
+                    "lax.switch", config.num_experts, time.perf_counter() - start)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),

@@ -33,8 +33,9 @@ from jaxserve.config import ModelConfig
 from jaxserve.loader.tree import ParamPath, flatten, set_path
 from jaxserve.model.feature_major import feature_major_linears
 from jaxserve.model.layer_loop import layer_period
+from jaxserve.model.moe import split_experts as split_expert_stacks
 from jaxserve.model.registry import abstract_model
-from sharding.loading import Fill, InPlace, array_from_reader, stack_stages
+from sharding.loading import Fill, InPlace, array_from_reader, host_buffer, stack_stages
 from sharding.mesh import MeshPlan
 from sharding.rules import ParamLayout, is_layer_param, param_layout, runtime_spec
 
@@ -247,12 +248,31 @@ def feature_major(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     so the ones left as loaded are copied too (below)."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
+    graphdef, params = _remade(model, feature_major_linears, weights_in_place)
+    return dataclasses.replace(model, graphdef=graphdef, params=params, feature_major=True)
+
+
+def _remade(model: ShardedModel, remake, weights_in_place: bool):
+    """`remake` (in place, on the merged module) applied to the model's weights: its graph and arrays.
+    `weights_in_place`: the arrays are views of a mapped checkpoint's file, so those left as loaded are
+    copied too (below)."""
     loaded = {id(a) for a in jax.tree.leaves(model.params)} if weights_in_place else set()
     module = nnx.merge(model.graphdef, model.params)
-    model.params = None  # the module holds the only references now: each old kernel is freed as it turns
-    graphdef, params = nnx.split(feature_major_linears(module))
+    model.params = None  # the module holds the only references now: each array replaced is freed as it goes
+    graphdef, params = nnx.split(remake(module))
     if loaded:
-        # A mapped file stays mapped (and every page read from it resident, the old kernels' too) while any
-        # view of it lives: with the embedding and norms copied as well, the model holds only its own memory.
+        # A mapped file stays mapped (and every page read from it resident, the replaced arrays' too) while
+        # any view of it lives: with the embedding and norms copied as well, the model holds only its own memory.
         params = jax.tree.map(lambda a: jnp.array(a, copy=True) if id(a) in loaded else a, params)
-    return dataclasses.replace(model, graphdef=graphdef, params=params, feature_major=True)
+    return graphdef, params
+
+
+def split_experts(model: ShardedModel, weights_in_place: bool = False) -> ShardedModel:
+    """The model with each sparse layer's experts held as separate arrays (`SplitExperts` in
+    jaxserve/model/moe.py), which a CPU's tile loop reads where they lie instead of copying each tile's expert
+    out of its stack. One device and unrolled layers only: partition rules and `scan_layers` name the stacks.
+    `weights_in_place`: as for `feature_major`."""
+    if model.plan.tp * model.plan.pp != 1 or model.layer_repeats != 1:
+        raise ValueError("split experts run on one device with unrolled layers")
+    graphdef, params = _remade(model, lambda module: split_expert_stacks(module, host_buffer), weights_in_place)
+    return dataclasses.replace(model, graphdef=graphdef, params=params)

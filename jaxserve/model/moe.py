@@ -7,7 +7,8 @@ A step's cost follows its active experts, not all of them:
    order, so each expert's rows are one contiguous segment (`group_sizes`);
 3. the experts' gated MLP over each segment with that expert's weights (`grouped_ffn`: `ragged_dot` on
    TPU and GPU; on CPU, whose `ragged_dot` is a dense product over every expert, a loop over tiles laid
-   from each non-empty segment's start — docs/models.md has the measurements);
+   from each non-empty segment's start, each tile's expert chosen by `lax.switch` among experts held as
+   separate arrays (`split_experts`) — docs/models.md has the measurements);
 4. combine: every assignment's output times its routing weight, added back to its token's row.
 Under tensor parallelism each device holds a slice of every expert's intermediate size: partial sums,
 one all-reduce, as for the dense MLP. Which layers are sparse is per-layer data (`sparse_layers`).
@@ -15,9 +16,14 @@ one all-reduce, as for the dense MLP. Which layers are sparse is per-layer data 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.model.activations import ACTIVATIONS
@@ -30,6 +36,7 @@ from jaxserve.model.parallel import Axis
 EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 TILE_ROWS = 32  # the most rows per tile of the CPU grouped loop (see docs/models.md)
+SPLIT_MIN_TILE = 2  # the fewest rows per tile over split experts (`grouped_ffn`)
 
 
 class Experts(nnx.Module):
@@ -49,6 +56,53 @@ class Experts(nnx.Module):
         return tuple(getattr(self, name)[...] for name in self.names)
 
 
+class ExpertWeights(nnx.Module):
+    """One expert's weights, arrays of their own: gate and up side by side ([hidden, 2 * inter], one product
+    for both) and down ([inter, hidden])."""
+
+    def __init__(self, gate_up: jax.Array, down: jax.Array):
+        self.gate_up, self.down = nnx.Param(gate_up), nnx.Param(down)
+
+
+class SplitExperts(nnx.Module):
+    """The experts of an `Experts` module as separate arrays, one `ExpertWeights` each (`split_experts`).
+
+    XLA:CPU copies a slice of a stacked array before a product reads it, so the CPU's tile loop over a
+    stack paid a copy of its expert's weights per tile: at one decode token, 8 copies of 3 MB a layer for
+    Qwen3-MoE-shaped experts, more time than the products. A tile loop that picks its expert among separate
+    arrays with `lax.switch` reads them where they lie, and gate and up side by side make one product
+    where there were two (docs/models.md, "Experts as separate arrays")."""
+
+    def __init__(self, experts: Experts, allocate=np.empty):
+        """`allocate(shape, dtype)`: the host buffers the weights are copied into, once (the loader passes
+        ones a CPU device adopts as they are, `sharding.loading.host_buffer`; others are copied again)."""
+        gate, up, down = (np.asarray(w) for w in experts.weights())  # a CPU array's buffer, not a copy
+        place = experts.weights()[0].sharding
+        place = NamedSharding(place.mesh, P()) if isinstance(place, NamedSharding) else place
+        inter = gate.shape[-1]
+        gate_up = allocate((*gate.shape[:-1], 2 * inter), gate.dtype)
+        gate_up[..., :inter], gate_up[..., inter:] = gate, up
+        own_down = allocate(down.shape, down.dtype)
+        np.copyto(own_down, down)
+        self.each = nnx.List([ExpertWeights(jax.device_put(gate_up[e], place), jax.device_put(own_down[e], place))
+                              for e in range(len(down))])
+
+    def weights(self) -> tuple[tuple[jax.Array, ...], None, tuple[jax.Array, ...]]:
+        """(every expert's gate_up, None: up is inside gate_up, every expert's down)."""
+        return (tuple(e.gate_up[...] for e in self.each), None, tuple(e.down[...] for e in self.each))
+
+
+def split_experts(model: nnx.Module, allocate=np.empty) -> nnx.Module:
+    """`model` with every sparse layer's stacked experts replaced in place by a `SplitExperts` (for a CPU
+    on one device: the split experts run only in the tiled loop, and partition rules name the stacks).
+    Each stack is freed once split when the caller holds no other reference to it."""
+    for layer in model.layers:
+        moe = getattr(layer, getattr(layer, "ffn_name", ""), None)
+        if isinstance(moe, SparseMoE) and isinstance(moe.experts, Experts):
+            moe.experts = SplitExperts(moe.experts, allocate)
+    return model
+
+
 class SparseMoE(nnx.Module):
     def __init__(self, config: ModelConfig, names: tuple[str, str, str], dtype, rngs: nnx.Rngs):
         self.gate = _linear(dtype, config.hidden_size, config.num_experts, False, rngs)  # the router
@@ -65,8 +119,8 @@ class SparseMoE(nnx.Module):
         w_gate, w_up, w_down = self.experts.weights()
         # Expert parallel: this device holds experts first .. first + local - 1 (whole), and the all-reduce
         # below adds the other devices' experts' outputs.
-        first = 0 if tp_axis is None or w_gate.shape[0] == self.num_experts else (
-            jax.lax.axis_index(tp_axis) * w_gate.shape[0])
+        first = 0 if tp_axis is None or len(w_gate) == self.num_experts else (
+            jax.lax.axis_index(tp_axis) * len(w_gate))
         y = routed_ffn(x, weights.astype(x.dtype), experts, w_gate, w_up, w_down, ACTIVATIONS[self.hidden_act],
                        num_experts=self.num_experts, first_expert=first)
         return y if tp_axis is None else jax.lax.psum(y, tp_axis)
@@ -75,16 +129,18 @@ class SparseMoE(nnx.Module):
 def routed_ffn(x, weights, experts, w_gate, w_up, w_down, act, method: str | None = None,
                num_experts: int | None = None, first_expert=0) -> jax.Array:
     """sum over k of weights[n, k] * expert[experts[n, k]](x[n]): x [N, H], weights / experts [N, k], for
-    the experts first_expert .. first_expert + E_local - 1 whose weights are given ([E_local, ...])."""
+    the experts first_expert .. first_expert + E_local - 1 whose weights are given ([E_local, ...], or a
+    sequence of E_local arrays each, with w_up None and gate and up side by side in w_gate: `SplitExperts`)."""
     n, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order within
     token = order // k
-    sizes = jnp.bincount(flat, length=num_experts or w_gate.shape[0]).astype(jnp.int32)
+    local = len(w_gate)
+    sizes = jnp.bincount(flat, length=num_experts or local).astype(jnp.int32)
     # The local experts' segments are contiguous: rotate them to the front, compute, rotate back. Rows of
     # other devices' experts come out zero.
     start = (jnp.cumsum(sizes) - sizes)[first_expert]
-    local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first_expert, w_gate.shape[0])
+    local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first_expert, local)
     rows = jnp.roll(x[token], -start, axis=0)
     out = grouped_ffn(rows, local_sizes, w_gate, w_up, w_down, act, method)
     # Rows past the local segments are not defined by every backend's ragged_dot: zero them explicitly.
@@ -110,14 +166,22 @@ def tile_rows(assignments: int, experts: int) -> int:
 def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None = None,
                 tile: int | None = None) -> jax.Array:
     """down(act(rows @ gate) * (rows @ up)) with each segment's expert: rows [A, H] sorted by expert,
-    group_sizes [E] (summing to A), weights stacked [E, ...] -> [A, H]. `tile`: the CPU loop's rows per
-    tile (default `tile_rows`)."""
-    method = method or ("tiled" if jax.default_backend() == "cpu" else "ragged_dot")
+    group_sizes [E] (summing to A), weights stacked [E, ...] (or sequences of E arrays, gate and up side by side
+    in w_gate and w_up None: `SplitExperts`, tiled only) -> [A, H]. `tile`: the CPU loop's rows per tile
+    (default `tile_rows`)."""
+    split = isinstance(w_gate, (tuple, list))
+    method = method or ("tiled" if split or jax.default_backend() == "cpu" else "ragged_dot")
+    if method == "ragged_dot" and split:
+        raise ValueError("split experts run in the tiled loop (ragged_dot takes stacked weights)")
     if method == "ragged_dot":
         dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
         return dot(act(dot(rows, w_gate)) * dot(rows, w_up), w_down)
     if method == "tiled":
-        tile = tile or tile_rows(rows.shape[0], w_gate.shape[0])
+        tile = tile or tile_rows(rows.shape[0], len(w_gate))
+        if split:
+            # A one-row product is XLA:CPU's own generated loop, compiled per branch: 64 branches a layer
+            # took 1.2 s to compile against 0.3 s at two rows, which ran as fast (docs/models.md).
+            tile = max(tile, SPLIT_MIN_TILE)
         return _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile)
     raise ValueError(f"grouped_ffn method must be ragged_dot or tiled, got {method!r}")
 
@@ -130,6 +194,11 @@ def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.A
     weights, at a few rows per expert; docs/models.md has the measurement.)"""
     a, hidden = rows.shape
     tile = min(tile, a)
+    if isinstance(w_gate, (tuple, list)):
+        branches = [functools.partial(_one_expert, e, act) for e in range(len(w_gate))]
+        expert_ffn = lambda g, block: jax.lax.switch(g, branches, block, w_gate, w_up, w_down)
+    else:
+        expert_ffn = lambda g, block: _one_expert(g, act, block, w_gate, w_up, w_down)
     rows = jnp.pad(rows, ((0, tile), (0, 0)))  # the last tile of the last segment reads past row a - 1
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -140,13 +209,22 @@ def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.A
         g = jnp.searchsorted(tiles_end, p, side="right")  # the expert of tile p
         first = starts[g] + (p - (tiles_end[g] - tiles[g])) * tile
         block = jax.lax.dynamic_slice_in_dim(rows, first, tile)
-        y = (act(block @ w_gate[g]) * (block @ w_up[g])) @ w_down[g]
+        y = expert_ffn(g, block)
         mine = (first + jnp.arange(tile) < ends[g])[:, None]  # rows past the segment are the next expert's
         kept = jax.lax.dynamic_slice_in_dim(out, first, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y.astype(out.dtype), kept), first, 0)
 
     out = jax.lax.fori_loop(0, tiles_end[-1], run_tile, jnp.zeros((a + tile, hidden), rows.dtype))
     return out[:a]
+
+
+def _one_expert(e, act, block, w_gate, w_up, w_down) -> jax.Array:
+    """Expert e's gated MLP of `block`: a static e picks its own arrays (a `lax.switch` branch), a traced
+    one slices the stacks (which XLA:CPU copies). w_up None: w_gate holds gate and up side by side."""
+    if w_up is None:
+        gate, up = jnp.split(block @ w_gate[e], 2, axis=-1)
+        return (act(gate) * up) @ w_down[e]
+    return (act(block @ w_gate[e]) * (block @ w_up[e])) @ w_down[e]
 
 
 class MoEDecoderLayer(nnx.Module):
