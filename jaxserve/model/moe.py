@@ -76,9 +76,10 @@ class SplitExperts(nnx.Module):
     def __init__(self, experts: Experts, allocate=np.empty):
         """`allocate(shape, dtype)`: the host buffers the weights are copied into, once (the loader passes
         ones a CPU device adopts as they are, `sharding.loading.host_buffer`; others are copied again)."""
-        gate, up, down = (np.asarray(w) for w in experts.weights())  # a CPU array's buffer, not a copy
-        place = experts.weights()[0].sharding
+        stacks = experts.weights()
+        place = stacks[0].sharding  # the stack's one device, as its sharding names it
         place = NamedSharding(place.mesh, P()) if isinstance(place, NamedSharding) else place
+        gate, up, down = (np.asarray(w) for w in stacks)  # a CPU array's buffer, not a copy
         inter = gate.shape[-1]
         gate_up = allocate((*gate.shape[:-1], 2 * inter), gate.dtype)
         gate_up[..., :inter], gate_up[..., inter:] = gate, up
@@ -180,7 +181,7 @@ def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None
         tile = tile or tile_rows(rows.shape[0], len(w_gate))
         if split:
             # A one-row product is XLA:CPU's own generated loop, compiled per branch: 64 branches a layer
-            # took 1.2 s to compile against 0.3 s at two rows, which ran as fast (docs/models.md).
+            # took 1.3 s to compile against 0.3 s at two rows, which ran as fast (docs/models.md).
             tile = max(tile, SPLIT_MIN_TILE)
         return _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile)
     raise ValueError(f"grouped_ffn method must be ragged_dot or tiled, got {method!r}")
