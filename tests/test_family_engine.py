@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.loader.convert import convert
+from jaxserve.model.feature_major import FeatureMajorLinear
 from jaxserve.model.moe import Experts, SplitExperts
 
 FIXTURES = Path(__file__).parent / "fixtures" / "parity"
@@ -35,15 +36,21 @@ def test_engine_greedy_matches_transformers_generate(case, id_tokenizer):
     assert again.outputs[0].token_ids == want
 
 
-def test_a_mapped_mixture_of_experts_serves_transformers_tokens_with_its_experts_apart(tmp_path, id_tokenizer):
+@pytest.mark.parametrize("library", ["auto", "ynnpack-feature-major"])
+def test_a_mapped_mixture_of_experts_serves_transformers_tokens_with_its_experts_apart(tmp_path, id_tokenizer,
+                                                                                        library):
     """A mapped checkpoint's stacks lie in the file; the engine splits them into arrays of its own, and copies
-    the rest so that the mapping goes (jaxserve/loader/placement.py's `split_experts`): same greedy tokens."""
+    the rest so that the mapping goes (jaxserve/loader/placement.py's `split_experts`): same greedy tokens.
+    With feature-major products, from the model's own layout, the kernels turn and the experts split in one
+    pass (`feature_major(..., experts_apart=True)`)."""
     golden = np.load(FIXTURES / "mixtral" / "golden.npz")
     prompt, want = golden["input_ids"][:int(golden["prompt_len"])].tolist(), golden["greedy"].tolist()
-    mapped = convert(FIXTURES / "mixtral", tmp_path / "mapped", "float32", format="mapped")
+    mapped = convert(FIXTURES / "mixtral", tmp_path / "mapped", "float32", format="mapped", linear_layout="model")
     llm = LLM(str(mapped), tokenizer=str(id_tokenizer), max_num_seqs=2, max_model_len=128,
-              max_num_batched_tokens=16, token_buckets=(2, 16), page_size=8)
+              max_num_batched_tokens=16, token_buckets=(2, 16), page_size=8, cpu_matmul_library=library)
     module = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.params)
-    assert any(isinstance(node, SplitExperts) for _, node in nnx.iter_graph(module))
+    kinds = {type(node) for _, node in nnx.iter_graph(module)}
+    assert SplitExperts in kinds and Experts not in kinds
+    assert (FeatureMajorLinear in kinds) == (library == "ynnpack-feature-major")
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == want

@@ -207,20 +207,24 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
-    if matmuls == FEATURE_MAJOR and model.feature_major:
-        logger.info("linear layers feature-major: stored so by `jaxserve convert`, used where they lie")
-    elif matmuls == FEATURE_MAJOR:
-        start = time.perf_counter()
-        model = feature_major(model, weights_in_place=in_place)
-        in_place = False  # every array is the model's own now
+    # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
+    apart = (matmuls is not None and model.plan.tp * model.plan.pp == 1 and any(config.sparse_layers)
+             and model.layer_repeats == 1)
+    start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major
+    if turn:
+        # One pass for both: a mapped file's expert stacks are then copied once, into their split, not twice.
+        model = feature_major(model, weights_in_place=in_place, experts_apart=apart)
         logger.info("linear layers feature-major: kernels turned to [out, in] in %.2f s",
                     time.perf_counter() - start)
-    one_device = model.plan.tp * model.plan.pp == 1
-    if matmuls is not None and one_device and any(config.sparse_layers) and model.layer_repeats == 1:
-        start = time.perf_counter()  # a CPU engine (matmuls is None elsewhere) on one device
-        model = split_experts(model, weights_in_place=in_place)
-        logger.info("experts: %d per sparse layer held as separate arrays (%.2f s), each tile's picked by "
-                    "lax.switch", config.num_experts, time.perf_counter() - start)
+    else:
+        if matmuls == FEATURE_MAJOR:
+            logger.info("linear layers feature-major: stored so by `jaxserve convert`, used where they lie")
+        if apart:
+            model = split_experts(model, weights_in_place=in_place)
+    if apart:
+        logger.info("experts: %d per sparse layer held as separate arrays, each tile's picked by lax.switch "
+                    "(split %s)", config.num_experts,
+                    "as the kernels turned" if turn else f"in {time.perf_counter() - start:.2f} s")
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),

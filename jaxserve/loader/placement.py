@@ -241,14 +241,19 @@ def _stacker(sharding: NamedSharding):
     return jax.jit(lambda *a: jnp.stack(a), out_shardings=NamedSharding(sharding.mesh, P(None, *sharding.spec)))
 
 
-def feature_major(model: ShardedModel, weights_in_place: bool = False) -> ShardedModel:
+def feature_major(model: ShardedModel, weights_in_place: bool = False, experts_apart: bool = False) -> ShardedModel:
     """The model with its linear layers feature-major (`jaxserve/model/feature_major.py`). Single device
     only: under tensor or pipeline parallelism the kernels' partition specs would have to turn with them,
     and a CPU serves from one device. `weights_in_place`: the arrays are views of a mapped checkpoint's file,
-    so the ones left as loaded are copied too (below)."""
+    so the ones left as loaded are copied too (below). `experts_apart`: `split_experts` in the same pass, so
+    that a mapped file's expert stacks are copied once, into their split, rather than kept and then split."""
     if model.plan.tp * model.plan.pp != 1:
         raise ValueError("feature-major linear layers run on one device (tensor and pipeline parallel size 1)")
-    graphdef, params = _remade(model, feature_major_linears, weights_in_place)
+    remake = feature_major_linears
+    if experts_apart:
+        _check_experts_apart(model)
+        remake = lambda module: split_expert_stacks(feature_major_linears(module), host_buffer)
+    graphdef, params = _remade(model, remake, weights_in_place)
     return dataclasses.replace(model, graphdef=graphdef, params=params, feature_major=True)
 
 
@@ -272,7 +277,11 @@ def split_experts(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     jaxserve/model/moe.py), which a CPU's tile loop reads where they lie instead of copying each tile's expert
     out of its stack. One device and unrolled layers only: partition rules and `scan_layers` name the stacks.
     `weights_in_place`: as for `feature_major`."""
-    if model.plan.tp * model.plan.pp != 1 or model.layer_repeats != 1:
-        raise ValueError("split experts run on one device with unrolled layers")
+    _check_experts_apart(model)
     graphdef, params = _remade(model, lambda module: split_expert_stacks(module, host_buffer), weights_in_place)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
+
+
+def _check_experts_apart(model: ShardedModel) -> None:
+    if model.plan.tp * model.plan.pp != 1 or model.layer_repeats != 1:
+        raise ValueError("split experts run on one device with unrolled layers")

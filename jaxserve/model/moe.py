@@ -170,7 +170,7 @@ def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None
     group_sizes [E] (summing to A), weights stacked [E, ...] (or sequences of E arrays, gate and up side by side
     in w_gate and w_up None: `SplitExperts`, tiled only) -> [A, H]. `tile`: the CPU loop's rows per tile
     (default `tile_rows`)."""
-    split = isinstance(w_gate, (tuple, list))
+    split = _held_apart(w_gate)
     method = method or ("tiled" if split or jax.default_backend() == "cpu" else "ragged_dot")
     if method == "ragged_dot" and split:
         raise ValueError("split experts run in the tiled loop (ragged_dot takes stacked weights)")
@@ -195,7 +195,7 @@ def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.A
     weights, at a few rows per expert; docs/models.md has the measurement.)"""
     a, hidden = rows.shape
     tile = min(tile, a)
-    if isinstance(w_gate, (tuple, list)):
+    if _held_apart(w_gate):
         branches = [functools.partial(_one_expert, e, act) for e in range(len(w_gate))]
         expert_ffn = lambda g, block: jax.lax.switch(g, branches, block, w_gate, w_up, w_down)
     else:
@@ -217,6 +217,11 @@ def _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile: int) -> jax.A
 
     out = jax.lax.fori_loop(0, tiles_end[-1], run_tile, jnp.zeros((a + tile, hidden), rows.dtype))
     return out[:a]
+
+
+def _held_apart(weights) -> bool:
+    """Whether experts' weights come as a sequence of arrays (`SplitExperts`) rather than a stack."""
+    return isinstance(weights, (tuple, list))
 
 
 def _one_expert(e, act, block, w_gate, w_up, w_down) -> jax.Array:
