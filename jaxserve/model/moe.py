@@ -36,6 +36,7 @@ from jaxserve.model.parallel import Axis
 EXPERT_NAMES = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                 "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 TILE_ROWS = 32  # the most rows per tile of the CPU grouped loop (see docs/models.md)
+SPLIT_MIN_TILE = 2  # the fewest rows per tile over split experts (`grouped_ffn`)
 
 
 class Experts(nnx.Module):
@@ -177,11 +178,11 @@ def grouped_ffn(rows, group_sizes, w_gate, w_up, w_down, act, method: str | None
         dot = lambda a, w: jax.lax.ragged_dot(a, w, group_sizes)
         return dot(act(dot(rows, w_gate)) * dot(rows, w_up), w_down)
     if method == "tiled":
-        # One-row tiles over split experts cost compile time: a one-row product is XLA:CPU's own generated
-        # loop, compiled per branch (64 branches a layer: 1.3 s against 0.3 s at two rows). They pay it back
-        # in speed: inside a loop body XLA:CPU runs that product on one thread, and a two-row tile's library
-        # product, on both threads, was still slower (a one-token MoE step 1.25x faster; docs/models.md).
         tile = tile or tile_rows(rows.shape[0], len(w_gate))
+        if split:
+            # A one-row product is XLA:CPU's own generated loop, compiled per branch: 64 branches a layer
+            # took 1.3 s to compile against 0.3 s at two rows, which ran as fast (docs/models.md).
+            tile = max(tile, SPLIT_MIN_TILE)
         return _tiled_ffn(rows, group_sizes, w_gate, w_up, w_down, act, tile)
     raise ValueError(f"grouped_ffn method must be ragged_dot or tiled, got {method!r}")
 
