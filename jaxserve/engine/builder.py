@@ -32,7 +32,8 @@ from jaxserve.execution.kv_budget import resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import checkpoint_format, open_checkpoint
 from jaxserve.loader.load import load_weights
-from jaxserve.loader.placement import ModuleReader, ShardedModel, feature_major, scan_layers, split_experts
+from jaxserve.loader.placement import (ModuleReader, ShardedModel, experts_can_split, feature_major, scan_layers,
+                                      split_experts)
 from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
 from jaxserve.loader.turned import UnturningReader, stored_turned
 from jaxserve.model.layer_loop import resolve_layer_loop
@@ -208,8 +209,7 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
     # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
-    apart = (matmuls is not None and model.plan.tp * model.plan.pp == 1 and any(config.sparse_layers)
-             and model.layer_repeats == 1)
+    apart = matmuls is not None and any(config.sparse_layers) and experts_can_split(model)
     start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major
     if turn:
         # One pass for both: a mapped file's expert stacks are then copied once, into their split, not twice.

@@ -282,6 +282,12 @@ def split_experts(model: ShardedModel, weights_in_place: bool = False) -> Sharde
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 
 
+def experts_can_split(model: ShardedModel) -> bool:
+    """Whether `split_experts` applies: one device and unrolled layers (partition rules and `scan_layers`
+    name the stacks)."""
+    return model.plan.tp * model.plan.pp == 1 and model.layer_repeats == 1
+
+
 def _check_experts_apart(model: ShardedModel) -> None:
-    if model.plan.tp * model.plan.pp != 1 or model.layer_repeats != 1:
+    if not experts_can_split(model):
         raise ValueError("split experts run on one device with unrolled layers")
