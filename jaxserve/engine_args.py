@@ -32,7 +32,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
     num_pages: int | None = None  # default: enough for every slot at full context
-    kv_cache_memory: int | None = None  # bytes for the KV cache (instead of num_pages)
+    kv_cache_memory: int | None = None  # bytes of KV cache on each device (instead of num_pages)
     gpu_memory_utilization: float | None = None  # fraction of device memory free after the weights
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     kv_cache_dtype: str = "auto"  # KV pages: "auto" (the model's dtype), "int8" or "fp8" (e4m3), scaled per token

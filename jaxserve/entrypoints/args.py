@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens per KV page (--block-size is vLLM's name for it)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV cache; the page count follows (instead of --num-pages)")
+                   help="bytes of KV cache on each device; the page count follows (instead of --num-pages)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the device memory left free by the weights to give the KV cache "
                         "(devices without memory statistics, such as the CPU, keep the default)")
