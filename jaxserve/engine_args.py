@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, SpeculativeConfig, validate_scheduling_options
+from jaxserve.json_files import read_json_object
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def sampling_defaults(model_dir: str | None, mode: str = "auto") -> dict:
     path = Path(model_dir) / "generation_config.json" if model_dir else None
     if mode == "vllm" or path is None or not path.is_file():
         return {}
-    config = json.loads(path.read_text())
+    config = read_json_object(path)
     defaults = {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items() if config.get(theirs) is not None}
     if defaults:
         logger.info("sampling defaults from %s: %s", path, defaults)

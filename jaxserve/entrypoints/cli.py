@@ -5,8 +5,8 @@ checkpoint in a faster format), `jaxserve plan ...` (will it fit on a TPU slice 
 1. `build_parser` adds the engine's own subcommands, then every subcommand registered in the
    `jaxserve.commands` entry-point group (pyproject.toml): the HTTP server's `serve` (`server/cli.py`) and
    the benchmarks' `bench` (`jaxserve/bench/cli.py`), so this module imports neither.
-2. `main` parses, sets up logging and runs the subcommand; bad options and inputs exit with status 2 and
-   one line on stderr.
+2. `main` parses, sets up logging and runs the subcommand; bad options and inputs, and an engine that
+   cannot start, exit with status 2 and one line on stderr (its last) that says what to change.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from importlib.metadata import entry_points
 
 from jaxserve.entrypoints.args import add_engine_args, add_parallel_args, engine_args_from
 from jaxserve.entrypoints.plan import add_plan_parser
+from jaxserve.errors import ACTIONABLE_ERRORS
 
 DESCRIPTION = """LLM inference in JAX: `serve` an OpenAI-compatible HTTP API, `generate` a completion offline,
 `convert` a checkpoint to a faster format, `plan` a deployment (will it fit on a TPU slice or GPUs, compiled
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return ns.func(ns)
-    except (ValueError, OSError, ImportError) as e:  # ImportError: an optional dependency is missing
+    except ACTIONABLE_ERRORS as e:  # e.g. ImportError: an optional dependency is missing
         parser.exit(2, f"jaxserve: error: {e}\n")
 
 

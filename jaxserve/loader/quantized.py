@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from pathlib import Path
@@ -29,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.json_files import read_json_object
 from jaxserve.loader.formats import checkpoint_format, checkpoint_marker
 from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
@@ -48,7 +48,7 @@ def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantizat
     checkpoint, whose copied config.json describes its source: see `stored_quantization`)."""
     if model_dir is None or not (Path(model_dir) / "config.json").is_file() or checkpoint_format(model_dir):
         return None
-    return detect_checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()), model_dir)
+    return detect_checkpoint_quantization(read_json_object(Path(model_dir) / "config.json"), model_dir)
 
 
 def _checkpoint_codes(ckpt: CheckpointQuantization) -> str:
