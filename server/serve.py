@@ -97,7 +97,7 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilati
     async_engine.on_failure = server.engine_failed
     async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
     scheme = "https" if options.ssl_certfile else "http"
-    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model) == "pooling" else
+    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model_dir) == "pooling" else
               "/v1/completions, /v1/chat/completions, /v1/responses")
     logger.info("serving on %s://%s:%d%s (OpenAI-compatible: %s)%s", scheme, host, port, options.root_path, routes,
                 "; API key required" if options.api_key else "")
