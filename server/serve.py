@@ -98,7 +98,7 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilati
     """Serve until SIGTERM/SIGINT (returns 0) or an engine failure while serving (returns 1). Raises when the
     server cannot start: `ListenError` when it cannot listen, the engine's start error (see
     `AsyncEngine.start_error`) when the engine fails before it is ready."""
-    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model) == "pooling" else
+    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model_dir) == "pooling" else
               "/v1/completions, /v1/chat/completions, /v1/responses")
     async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)

@@ -6,9 +6,10 @@
    config; a pooling model loads no LM head); `_finish_build` resolves the rest: context length, token budget and buckets
    of a step, attention backend, and — once the weights are on the device — the KV page pool
    (`kv_budget`: pages, bytes, or a fraction of the free device memory).
-2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
-   weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
-   says what it is; its text is noise.
+2. Without a model it loads the built-in stories260K from inside the package like any other directory
+   (`jaxserve/builtin_models/`); `demo-random` builds the random demo model instead: a small Llama with
+   deterministic random weights and a byte-level tokenizer, whose text is noise. Each is served under a
+   name that says what it is.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.builtin_models import describe as describe_model
+from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
@@ -48,8 +50,6 @@ from sharding import make_plan
 from sharding.multihost import initialize as initialize_distributed
 
 logger = logging.getLogger(__name__)
-
-DEMO_MODEL_NAME = "jaxserve-demo-random"
 
 
 def demo_model_config() -> ModelConfig:
@@ -88,11 +88,11 @@ def _runner(args: EngineArgs, config: ModelConfig):
     """(runner, pooler config, config, args) for `--runner`: a pooling runner takes the model's
     sentence-transformers pooling, then --pooler-config, and its step stops at the final norm: an untied LM
     head is never read, so the config says there is none."""
-    runner = resolve_runner(args.runner, args.model)
+    runner = resolve_runner(args.runner, args.model_dir)
     if runner != "pooling":
         return runner, None, config, args
     config = dataclasses.replace(config, has_lm_head=False)
-    pooler = dataclasses.replace(PoolerConfig.for_model(args.model, args.pooler_config),
+    pooler = dataclasses.replace(PoolerConfig.for_model(args.model_dir, args.pooler_config),
                                  hidden_size=config.hidden_size)
     if args.max_model_len is None and pooler.max_seq_length:  # the context it was trained to embed
         args = dataclasses.replace(args, max_model_len=min(pooler.max_seq_length, config.max_position_embeddings))
@@ -100,30 +100,31 @@ def _runner(args: EngineArgs, config: ModelConfig):
 
 
 def build_model(args: EngineArgs) -> BuiltModel:
-    demo = args.model is None
-    config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
+    demo, model_dir = args.random_demo, args.model_dir  # model_dir: None for the random demo
+    config = demo_model_config() if demo else ModelConfig.from_pretrained(model_dir)
     runner, pooler, config, args = _runner(args, config)
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
     # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
     dtype = resolve_dtype("float32" if demo and args.dtype == "auto" else args.dtype, config)
     if demo:
-        logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
-                       "tokenizer; its output is noise)", DEMO_MODEL_NAME)
+        logger.warning("serving the %s", describe_model(args.model))
+    elif is_default(args.model):
+        logger.info("serving the %s", describe_model(args.model))
     # The tokenizer first: a wrong one is refused before the weights are read.
     tokenizer = (Tokenizer.byte_level() if demo else
-                 Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model))
+                 Tokenizer.from_pretrained(args.tokenizer or model_dir, model_dir=model_dir))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
-    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
-    stored = stored_quantization(args.model)
+    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(model_dir)
+    stored = stored_quantization(model_dir)
     # A checkpoint stored feature-major is read as it lies where the products run so, else turned back; its
     # float kernels turned back first when they are quantized at load (the quantizer reads [in, out] kernels).
-    layout_stored = stored_turned(args.model)
+    layout_stored = stored_turned(model_dir)
     if layout_stored and args.quantization is not None and stored is None:
         reader, layout_stored = UnturningReader(reader, config, dtype), False
-    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
+    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(model_dir),
                                        args.quantization_strategy, args.quantize_lm_head, stored,
                                        args.quantize_embedding)
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
@@ -133,8 +134,7 @@ def build_model(args: EngineArgs) -> BuiltModel:
     if layout_stored and not turned:
         reader = UnturningReader(reader, config, dtype)
     model = load_weights(reader, config, dtype, plan, feature_major=turned)
-    name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
-    built = _finish_build(args, name, model, config, tokenizer, dtype, matmuls)
+    built = _finish_build(args, served_name(args.model), model, config, tokenizer, dtype, matmuls)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 
@@ -157,16 +157,18 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     on such devices resolves it (buckets, layer loop, attention kernels, quantization), and the KV pool is
     sized by the same code, from `device_limit` (the bytes JAX's allocator may use on one device) less
     the weights' share of a device."""
-    config = ModelConfig.from_pretrained(args.model)
+    if args.model_dir is None:
+        raise ValueError(f"{args.model!r} has no config.json to plan from: give a model directory")
+    config = ModelConfig.from_pretrained(args.model_dir)
     runner, pooler, config, args = _runner(args, config)
     plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads, devices=devices)
     dtype = resolve_dtype(args.dtype, config, platform)
-    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model),
-                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model),
+    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
+                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
                               args.quantize_embedding)
     model = abstract_weights(config, dtype, plan)
-    built = _finish_build(args, Path(args.model).resolve().name, model, config, None, dtype, None, platform=platform,
+    built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
                           free_bytes=device_limit - bytes_per_device(model.params))
     return dataclasses.replace(built, runner=runner, pooler_config=pooler)
 
@@ -181,7 +183,7 @@ def bytes_per_device(tree) -> int:
 def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan, layout_stored: bool = False) -> str | None:
     """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
     feature-major (`layout_stored`) is loaded as it lies only for the feature-major products."""
-    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
+    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
     return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
                                devices=plan.tp * plan.pp, weights_in_place=in_place, stored_turned=layout_stored)
 
@@ -249,7 +251,7 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
+    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
     # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
     apart = matmuls is not None and any(config.sparse_layers) and experts_can_split(model)
     start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major

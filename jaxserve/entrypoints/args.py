@@ -15,7 +15,9 @@ from jaxserve.engine_args import EngineArgs
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in stories260K, a tiny model that tells "
+                        "children's stories); 'demo-random': a small model with random weights, whose text is noise")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a directory with the tokenizer (tokenizer.json, tokenizer_config.json, chat template) "
                         "to use instead of the model's")

@@ -150,7 +150,7 @@ class RegionReader:
 
 
 class ModuleReader(RegionReader):
-    """Slices of an in-memory module's parameters (the built-in demo model, tests). Copied: the device
+    """Slices of an in-memory module's parameters (the random demo model, tests). Copied: the device
     arrays must not alias the module's."""
     description = "a module in memory"
 
