@@ -270,14 +270,15 @@ def _version(distribution: str) -> str:
 def footprint(args: EngineArgs, target: Target, other: int) -> Footprint:
     """One device's bytes for `args` on `target` without compiling: the weights and the pool recomputed,
     `other` (the programs' own buffers) as compiled for the plan being advised."""
-    config = ModelConfig.from_pretrained(args.model)
+    config = ModelConfig.from_pretrained(args.model_dir)
     devices = compile_devices(target)
     p = args.parallel
     plan_ = make_plan(p, num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                       devices=devices)
     dtype = resolve_dtype(args.dtype, config, target.platform)
-    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model), args.quantization_strategy,
-                              args.quantize_lm_head, stored_quantization(args.model), args.quantize_embedding)
+    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
+                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
+                              args.quantize_embedding)
     weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
     share = KVShare.of(config, plan_)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or dtype
