@@ -299,17 +299,23 @@ def advice(plan: Plan) -> list[str]:
     args, target, other = plan.args, plan.target, plan.footprint.other
     max_len = plan.built.scheduler_config.max_model_len
     wanted = lambda a: a.max_num_seqs * (a.max_model_len or max_len)
-    fits = lambda a, t: _fits(footprint(a, t, other), device_limit(t.chip), wanted(a))
+
+    def fits(trial: EngineArgs, on: Target) -> bool:
+        try:
+            return _fits(footprint(trial, on, other), device_limit(on.chip), wanted(trial))
+        except ValueError:  # an option this model cannot take (heads that do not split, a pool below one sequence)
+            return False
+
     found = []
     for bigger in _bigger_targets(target):
         try:
             trial = default_parallel(dataclasses.replace(args, tensor_parallel_size=1), bigger)
-            if fits(trial, bigger):
-                found.append(f"more chips: {bigger.name} ({bigger.chips} x {bigger.chip.name}, tensor parallel "
-                             f"{trial.parallel.tensor_parallel_size})")
-                break
-        except ValueError:  # heads that do not split that many ways
+        except ValueError:  # stages that do not divide the chips
             continue
+        if fits(trial, bigger):
+            found.append(f"more chips: {bigger.name} ({bigger.chips} x {bigger.chip.name}, tensor parallel "
+                         f"{trial.parallel.tensor_parallel_size})")
+            break
     if args.quantization is None and plan.built.model_config.linear_quantization is None:
         trial = dataclasses.replace(args, quantization="int8")
         if fits(trial, target):
