@@ -34,7 +34,7 @@ _COMPLETE = ".complete"  # written last by install_compilers: a folder without i
 CUDA_PLUGIN = "jax_plugins.xla_cuda13"  # the CUDA 13 plugin, as the `cuda` extra installs for serving
 
 
-class CompilersMissing(RuntimeError):
+class CompilersMissing(ImportError):
     """The compiler for a target is not installed; the message says how to install it."""
 
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import time
@@ -39,7 +40,7 @@ from jaxserve.loader.quantized import checkpoint_quantization, quantized_config,
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.kv_quant import kv_quant_dtype
-from sharding import make_plan
+from sharding import ParallelConfig, make_plan
 from sharding.chips import Chip, Target, parse_target
 from sharding.compile_only import compile_devices
 
@@ -96,7 +97,7 @@ class Plan:
     utilization: float
     work: StepWork
     compiler: str
-    advice: list[str]
+    advice: list[dict]  # {"flags", "why"}: the smallest single changes that make it fit
 
     @property
     def wanted_tokens(self) -> int:
@@ -267,20 +268,30 @@ def _version(distribution: str) -> str:
 
 # ---- advice: the smallest single changes that make it fit ---------------------------------------------------
 
+@functools.lru_cache(maxsize=64)
+def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_parallel: bool, dtype_flag: str,
+                    quantization: tuple) -> tuple[ModelConfig, object, int, KVShare]:
+    """(config, dtype, weight bytes a device holds, the device's share of a page) for these options: the
+    abstract model placed on the target's mesh. Cached: the advice's searches over context length and
+    sequences keep the weights."""
+    config = ModelConfig.from_pretrained(model_dir)
+    plan_ = make_plan(ParallelConfig(tp, pp, expert_parallel), num_layers=config.num_layers,
+                      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, devices=compile_devices(target))
+    dtype = resolve_dtype(dtype_flag, config, target.platform)
+    requested, strategy, lm_head, embedding = quantization
+    config = quantized_config(config, requested, checkpoint_quantization(model_dir), strategy, lm_head,
+                              stored_quantization(model_dir), embedding)
+    weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
+    return config, dtype, weights, KVShare.of(config, plan_)
+
+
 def footprint(args: EngineArgs, target: Target, other: int) -> Footprint:
     """One device's bytes for `args` on `target` without compiling: the weights and the pool recomputed,
     `other` (the programs' own buffers) as compiled for the plan being advised."""
-    config = ModelConfig.from_pretrained(args.model_dir)
-    devices = compile_devices(target)
-    p = args.parallel
-    plan_ = make_plan(p, num_layers=config.num_layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                      devices=devices)
-    dtype = resolve_dtype(args.dtype, config, target.platform)
-    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
-                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
-                              args.quantize_embedding)
-    weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
-    share = KVShare.of(config, plan_)
+    quantization = (args.quantization, args.quantization_strategy, args.quantize_lm_head, args.quantize_embedding)
+    config, dtype, weights, share = _placed_weights(
+        args.model_dir, target, args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel,
+        args.dtype, quantization)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or dtype
     max_len = args.max_model_len or config.max_position_embeddings
     free = device_limit(target.chip) - weights
@@ -295,7 +306,8 @@ def footprint(args: EngineArgs, target: Target, other: int) -> Footprint:
     return Footprint(weights, pages * per_page, (pages - 1) * args.page_size, other)
 
 
-def advice(plan: Plan) -> list[str]:
+def advice(plan: Plan) -> list[dict]:
+    """The smallest single changes that make `plan` fit: {"flags": the serve flags to change, "why"}."""
     args, target, other = plan.args, plan.target, plan.footprint.other
     max_len = plan.built.scheduler_config.max_model_len
     wanted = lambda a: a.max_num_seqs * (a.max_model_len or max_len)
@@ -313,30 +325,35 @@ def advice(plan: Plan) -> list[str]:
         except ValueError:  # stages that do not divide the chips
             continue
         if fits(trial, bigger):
-            found.append(f"more chips: {bigger.name} ({bigger.chips} x {bigger.chip.name}, tensor parallel "
-                         f"{trial.parallel.tensor_parallel_size})")
+            found.append(_advice(f"--target {bigger.name}", f"more chips: {bigger.chips} x {bigger.chip.name}, "
+                                 f"tensor parallel {trial.parallel.tensor_parallel_size}"))
             break
     if args.quantization is None and plan.built.model_config.linear_quantization is None:
         trial = dataclasses.replace(args, quantization="int8")
         if fits(trial, target):
-            found.append("--quantization int8 (int8 weights: half the bytes of bf16)")
+            found.append(_advice("--quantization int8", "int8 weights: a byte a weight"))
     if args.kv_cache_dtype == "auto":
         for dtype in ("fp8", "int8") if target.chip.fp8 or target.chip.is_tpu else ("int8",):
             trial = dataclasses.replace(args, kv_cache_dtype=dtype)
             if fits(trial, target):
-                found.append(f"--kv-cache-dtype {dtype} (a byte per KV element)")
+                found.append(_advice(f"--kv-cache-dtype {dtype}", "a byte per cached K/V element"))
                 break
     shorter = _largest(lambda n: fits(dataclasses.replace(args, max_model_len=n), target), args.page_size,
                        max_len - 1, args.page_size)
     if shorter:
-        found.append(f"--max-model-len {shorter} (the most that fits at --max-num-seqs {args.max_num_seqs})")
+        found.append(_advice(f"--max-model-len {shorter}", f"the longest context that fits at --max-num-seqs "
+                                                            f"{args.max_num_seqs}"))
     fewer = _largest(lambda n: fits(dataclasses.replace(args, max_num_seqs=n), target), 1, args.max_num_seqs - 1, 1)
     if fewer:
-        found.append(f"--max-num-seqs {fewer} (the most that fits at --max-model-len {max_len})")
+        found.append(_advice(f"--max-num-seqs {fewer}", f"the most sequences that fit at --max-model-len {max_len}"))
     if not found:
-        found.append("no single change fits: combine them (e.g. --quantization int8 with --kv-cache-dtype int8 "
-                     "and a shorter --max-model-len), or use a larger slice")
+        found.append(_advice("", "no single change fits: combine them (e.g. --quantization int8 with "
+                                 "--kv-cache-dtype int8 and a shorter --max-model-len), or use a larger slice"))
     return found
+
+
+def _advice(flags: str, why: str) -> dict:
+    return {"flags": flags, "why": why}
 
 
 def _fits(f: Footprint, limit: int, wanted_tokens: int) -> bool:

@@ -100,5 +100,5 @@ def render(r: dict) -> str:
         f"  prefill {roof['prefill_tok_s']:,.0f} tokens/s",
         "fits" if r["fits"] else "does NOT fit; what would make it fit:",
     ]
-    lines += [f"  - {a}" for a in r["advice"]]
+    lines += [f"  - {a['flags']}: {a['why']}" if a["flags"] else f"  - {a['why']}" for a in r["advice"]]
     return "\n".join(lines) + "\n"
