@@ -1,81 +1,207 @@
-"""`DraftingPayoff` (jaxserve/speculative/payoff.py), driven by a scripted engine: drafting pauses at a batch
-width while plain steps measure faster there, comes back when drafting measures faster, both kinds keep
-being measured, and widths are judged apart."""
+"""Drafting's payoff (jaxserve/speculative/payoff.py, acceptance.py, cost.py) without a model: a scripted
+machine gives each kind of step its time (a device time per token bucket, host time with and without reading
+the step in flight first) and each sequence its true acceptance per draft position, and the payoff decides
+every step as the speculator does. Where verify rows cost more than their drafts gain, drafting stops after
+the first measurements and probes stay within their share; where drafts pay, every step drafts; each
+sequence verifies as many drafts as its own acceptance pays for."""
 
-from jaxserve.speculative.payoff import MARGIN, DraftingPayoff, width_class
+from __future__ import annotations
 
+import random
 
-class Load:
-    """A scripted engine: each step takes 10 ms and makes `rate x 10 ms` tokens for each running sequence,
-    the rate depending on whether the step drafts."""
+import pytest
 
-    def __init__(self, payoff: DraftingPayoff):
-        self.now = 0.0
-        self.tokens = 0
-        self.payoff = payoff
-        payoff.clock = lambda: self.now
+from jaxserve.scheduling.step_cost import StepCostModel
+from jaxserve.speculative.acceptance import RETRY_STEPS, Acceptance
+from jaxserve.speculative.cost import DraftingCost, width_class
+from jaxserve.speculative.payoff import MIN_GAIN, PROBE_SHARE, DraftingPayoff, best_drafts
 
-    def steps(self, count: int, drafting_rate: float, plain_rate: float, running: int = 4) -> list[bool]:
-        """Run `count` steps; whether each drafted."""
-        kinds = []
-        for _ in range(count):
-            drafting = self.payoff.allows_drafting()
-            kinds.append(drafting)
-            self.now += 0.010
-            self.tokens += round((drafting_rate if drafting else plain_rate) * 0.010 * running)
-            self.payoff.record_step(self.tokens, running)
-        return kinds
+K = 4
 
 
-def payoff_and_load() -> tuple[DraftingPayoff, Load]:
-    payoff = DraftingPayoff(window_steps=4, probe_every=4)
-    return payoff, Load(payoff)
+def step_cost_model(device: dict[int, float]) -> StepCostModel:
+    """A step-time model that measured exactly these device seconds per token bucket."""
+    model = StepCostModel(tuple(device))
+    for bucket, seconds in device.items():
+        model.observe(bucket, 0, seconds)
+    return model
+
+
+class Machine:
+    """A scripted engine. `device`: seconds of each token bucket's step; `host`: host seconds a step adds
+    when it plans while the device runs (False) and when it reads the step in flight first (True);
+    `accept[s]`: sequence s's chance that draft i stands once drafts 1..i-1 have. Each step decides as the
+    speculator does, samples what stands, and reports the step's time as the engine loop's period."""
+
+    def __init__(self, device: dict[int, float], host: dict[bool, float], accept: list[list[float]],
+                 noise: float = 0.1, seed: int = 0):
+        self.device, self.host, self.accept = device, host, accept
+        self.cost = DraftingCost(step_cost_model(device))
+        self.payoff = DraftingPayoff(self.cost)
+        self.acceptance = Acceptance(K)
+        self.rng = random.Random(seed)
+        self.noise = noise
+        self.read_next = False  # a step after one that verified drafts reads first
+        self.tokens, self.seconds = 0, 0.0
+        self.outcomes: list[str] = []
+        self.drafts: list[list[int]] = []
+
+    @property
+    def running(self) -> int:
+        return len(self.accept)
+
+    def plain_rate(self) -> float:
+        """Tokens per second with speculation off."""
+        bucket = self.cost.step_cost.bucket_for(self.running)
+        return self.running / (self.device[bucket] + self.host[False])
+
+    def stood(self, s: int, drafts: int) -> int:
+        for i in range(drafts):
+            if self.rng.random() >= self.accept[s][i]:
+                return i
+        return drafts
+
+    def step(self) -> None:
+        keys = range(self.running)
+        acceptance = self.acceptance
+        expected = [[acceptance.hit(s) * g for g in acceptance.gains(s)] for s in keys]
+        decision = self.payoff.before_reading(self.running, expected)
+        read_first = decision.drafting or self.read_next
+        counts = [0] * self.running
+        if read_first:  # the newest tokens are known: every sequence found K drafts
+            if decision.drafting:
+                for s in keys:
+                    acceptance.guessed(s, True)
+            counts = self.payoff.after_reading(self.running, [acceptance.gains(s) for s in keys], decision)
+        made = self.running
+        for s, drafts in enumerate(counts):
+            if drafts:
+                stood = self.stood(s, drafts)
+                acceptance.verified(s, drafts, stood)
+                made += stood
+        drafted = sum(counts)
+        seconds = self.device[self.cost.step_cost.bucket_for(self.running + drafted)] + self.host[read_first]
+        seconds *= 1 + self.noise * (2 * self.rng.random() - 1)
+        self.cost.observe(seconds, read_first, self.running, self.running + drafted, False)
+        self.payoff.served(seconds)
+        acceptance.step()
+        self.read_next = drafted > 0
+        self.tokens += made
+        self.seconds += seconds
+        self.outcomes.append("probe" if decision.outcome == "probe" and drafted else
+                             "drafting" if drafted else decision.outcome)
+        self.drafts.append(counts)
+
+    def run(self, steps: int) -> float:
+        """Tokens per second over these steps, against speculation off."""
+        tokens, seconds = self.tokens, self.seconds
+        for _ in range(steps):
+            self.step()
+        return (self.tokens - tokens) / (self.seconds - seconds) / self.plain_rate()
+
+
+# A small model's CPU step: a millisecond of host work, a device time that grows by bucket.
+SMALL = {1: 0.5e-3, 2: 0.5e-3, 4: 0.6e-3, 8: 0.8e-3, 16: 1.2e-3, 32: 2.4e-3, 64: 4.0e-3, 128: 8.0e-3}
+HOST = {False: 1.0e-3, True: 1.6e-3}
 
 
 def test_width_classes_are_powers_of_two():
     assert [width_class(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 17)] == [1, 2, 2, 4, 4, 8, 8, 16, 16]
 
 
-def test_drafting_pauses_while_plain_steps_are_faster_and_is_still_probed():
-    payoff, load = payoff_and_load()
-    first = load.steps(12, drafting_rate=400, plain_rate=1000)
-    assert first[:5] == [True] * 5  # the anchor step and the first window draft; the second window is plain
-    assert False in first[5:]
-    kinds = load.steps(400, drafting_rate=400, plain_rate=1000)
-    assert payoff.prefer_drafting[4] is False
-    assert 0.05 < sum(kinds) / len(kinds) < 0.3  # drafting only in probe windows (one in four, and anchors)
-    assert payoff.rates[(4, False)] > payoff.rates[(4, True)] * (1 + MARGIN)
-    assert abs(payoff.rates[(4, True)] - 400) < 40 and abs(payoff.rates[(4, False)] - 1000) < 100
+def test_where_verify_rows_cost_more_than_they_gain_nothing_is_drafted_but_rare_probes():
+    """Sixteen sequences whose drafts stand one time in five: a drafting step costs more than a plain one
+    makes, so after the first measured steps only probes draft, and they take at most their share."""
+    machine = Machine(SMALL, HOST, [[0.2] * K] * 16)
+    ratio = machine.run(4000)
+    outcomes = machine.outcomes
+    assert outcomes.count("drafting") <= 3  # the first estimates, before a drafting step was measured
+    probes = outcomes.count("probe")
+    assert 0 < probes < 0.02 * len(outcomes)
+    assert machine.payoff.probe_seconds <= PROBE_SHARE * machine.payoff.served_seconds + 0.01
+    assert outcomes[-1000:].count("unprofitable") > 950
+    assert ratio > 0.97
 
 
-def test_drafting_stays_where_it_pays_and_comes_back_when_it_pays_again():
-    payoff, load = payoff_and_load()
-    kinds = load.steps(400, drafting_rate=1500, plain_rate=1000)
-    assert payoff.prefer_drafting.get(4, True) and sum(kinds) / len(kinds) > 0.7
-    load.steps(400, drafting_rate=500, plain_rate=1000)
-    assert payoff.prefer_drafting[4] is False
-    load.steps(400, drafting_rate=2000, plain_rate=1000)
-    assert payoff.prefer_drafting[4] is True
+def test_drafts_that_pay_are_verified_every_step():
+    """One sequence whose drafts mostly stand on a model whose step is mostly the device's: once plain steps
+    are measured, every step drafts, and the engine is much faster than without speculation."""
+    machine = Machine({1: 20e-3, 2: 21e-3, 4: 24e-3, 8: 28e-3}, {False: 0.5e-3, True: 1.0e-3}, [[0.8] * K])
+    ratio = machine.run(400)
+    first_drafting = machine.outcomes.index("drafting")
+    assert first_drafting <= 4 and machine.outcomes[first_drafting:].count("drafting") == 400 - first_drafting
+    assert ratio > 1.5
 
 
-def test_idle_gaps_and_noise_within_the_margin_do_not_decide():
-    payoff, load = payoff_and_load()
-    for _ in range(20):
-        load.steps(20, drafting_rate=1000, plain_rate=1000 * (1 + MARGIN / 2))
-        load.now += 5.0  # idle: nothing runs, the open window is dropped
-        payoff.record_step(load.tokens, 0)
-    assert payoff.prefer_drafting.get(4, True)
-    assert abs(payoff.rates[(4, True)] - 1000) < 50  # the idle seconds never entered a rate
+@pytest.mark.parametrize("accept, want", [(0.2, "off"), (0.9, "on")])
+def test_the_same_load_drafts_or_not_by_its_acceptance(accept, want):
+    machine = Machine(SMALL, HOST, [[accept] * K] * 4)
+    ratio = machine.run(2000)
+    drafting = machine.outcomes[-500:].count("drafting")
+    assert (drafting > 450) if want == "on" else (drafting == 0)
+    assert ratio > (1.2 if want == "on" else 0.97)
 
 
-def test_each_width_is_judged_on_its_own():
-    """Drafting pays for one sequence and loses for sixteen: each width keeps its own answer, and the
-    kind follows the width of the batch being served."""
-    payoff, load = payoff_and_load()
-    for _ in range(30):
-        load.steps(40, drafting_rate=1500, plain_rate=1000, running=1)
-        load.steps(40, drafting_rate=300, plain_rate=1000, running=16)
-    assert payoff.prefer_drafting.get(1, True) is True and payoff.prefer_drafting[16] is False
-    narrow = load.steps(40, drafting_rate=1500, plain_rate=1000, running=1)
-    wide = load.steps(40, drafting_rate=300, plain_rate=1000, running=16)
-    assert sum(narrow) > 25 and sum(wide) < 15
+def test_drafts_per_sequence_follow_each_ones_acceptance():
+    """Two sequences whose first two drafts always stand and the third never does, one whose drafts never
+    stand, one whose drafts always do; a token bucket of 12 holds eight drafts at little cost and the next
+    one is dear: each sequence verifies the drafts its own acceptance pays for."""
+    machine = Machine({4: 10e-3, 12: 11e-3, 16: 30e-3}, {False: 0.5e-3, True: 1e-3},
+                      [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], noise=0.0)
+    machine.run(100)
+    assert machine.drafts[-1] == [2, 2, 0, 4]
+    assert machine.outcomes[-1] == "drafting"
+
+
+def test_best_drafts_fills_a_token_bucket_with_the_likeliest_drafts():
+    """Within a bucket extra rows cost nothing, so the choice is each bucket's fullest set of likeliest
+    drafts, and a bigger bucket only where its gain pays for it."""
+    cost = DraftingCost(step_cost_model({4: 1e-3, 8: 1e-3, 16: 4e-3}))
+    gains = [[0.9, 0.8, 0.5, 0.3], [0.6, 0.5, 0.05, 0.01], [0.95, 0.9, 0.85, 0.8], [0.2, 0.15, 0.12, 0.11]]
+    counts, gain, seconds = best_drafts(gains, 4, cost, baseline=1e-3, extra=0.0)
+    assert counts == [1, 0, 3, 0] and gain == pytest.approx(0.9 + 0.95 + 0.9 + 0.85) and seconds == 1e-3
+    assert all(g < MIN_GAIN for g in gains[1][2:])
+    # Where the 16-token bucket costs nearly the same, the gains beyond the 8-token bucket are worth it.
+    cost = DraftingCost(step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.1e-3}))
+    counts, _, _ = best_drafts(gains, 4, cost, baseline=1e-3, extra=0.0)
+    assert counts == [4, 2, 4, 4]
+    # Where nothing beats the plain step, nothing is drafted.
+    assert best_drafts(gains, 4, cost, baseline=0.2e-3, extra=0.0)[0] == [0, 0, 0, 0]
+
+
+def test_acceptance_is_learnt_per_position_and_per_request():
+    acceptance = Acceptance(K)
+    new = acceptance.gains(1)
+    assert new == sorted(new, reverse=True) and 0 < new[0] < 1
+    for _ in range(10):
+        acceptance.verified(1, 4, 2)  # positions 1 and 2 stand, 3 does not, 4 is never reached
+        acceptance.verified(2, 4, 4)
+    first, second = acceptance.gains(1), acceptance.gains(2)
+    assert first[0] > 0.9 and first[1] > 0.9 and first[2] < 0.25
+    assert second[2] > 0.7 and second[3] > 0.5
+    # A new request starts from what the engine has seen: between the two.
+    third = acceptance.gains(3)
+    assert first[2] < third[2] < second[2]
+    # A request that verified nothing for a while starts again from the engine's figures.
+    for _ in range(RETRY_STEPS + 1):
+        acceptance.step()
+    assert acceptance.gains(1)[2] == pytest.approx(acceptance.gains(4)[2])
+
+
+def test_the_cost_model_counts_periods_of_one_kind_and_clips_pauses():
+    cost = DraftingCost(step_cost_model({1: 1e-3, 8: 2e-3}))
+    assert not cost.measured(1)
+    for _ in range(5):
+        cost.observe(1.5e-3, False, 1, 1, False)  # overlapped: 1 ms device + 0.5 ms residual
+    cost.planned(0.3e-3, 1)
+    assert cost.measured(1) and cost.plain_seconds(1) == pytest.approx(1.5e-3)
+    # Reading first, not measured yet: the overlapped residual plus the host's planning time.
+    assert cost.drafting_seconds(1, 4) == pytest.approx(2e-3 + 0.8e-3)
+    cost.observe(10e-3, True, 1, 5, False)  # switches kind: mixes both, not counted
+    assert cost.drafting_seconds(1, 4) == pytest.approx(2.8e-3)
+    cost.observe(100e-3, True, 1, 5, False)  # a pause: clipped to twice the prediction, one period beside the prior
+    assert cost.drafting_seconds(1, 4) < 4.3e-3
+    for _ in range(40):
+        cost.observe(3e-3, True, 1, 5, False)
+    assert cost.drafting_seconds(1, 4) == pytest.approx(3e-3, rel=0.05)
+    assert cost.read_first_extra(1) == pytest.approx(0.5e-3, rel=0.1)

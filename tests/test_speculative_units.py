@@ -16,9 +16,10 @@ from jaxserve.execution.draws import draw
 from jaxserve.sampling.logits import SamplerState
 from jaxserve.sampling.params import SamplingParams, seed_words
 from jaxserve.sampling.sampler import SamplingArrays, sample
-from jaxserve.scheduling.request import Request
+from jaxserve.scheduling.request import Request, Status
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
+from jaxserve.scheduling.step_cost import StepCostModel
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.speculative.speculator import Speculator, exact_per_position
 
@@ -63,14 +64,43 @@ def test_ngram_copy_continues_a_loop_past_the_end():
     assert proposer.propose([request([1, 2, 1, 2])]) == [[1, 2, 1, 2, 1]]
 
 
+def running_request(tokens, **params) -> Request:
+    """A request decoding after `tokens`, its newest token known (nothing pending)."""
+    r = request(tokens, **params)
+    r.status, r.num_computed, r.prefill_target = Status.RUNNING, len(tokens) - 1, len(tokens) - 1
+    return r
+
+
+def step_cost_model(device: dict[int, float]) -> StepCostModel:
+    """A step-time model that measured these device seconds per token bucket."""
+    model = StepCostModel(tuple(device))
+    for bucket, seconds in device.items():
+        model.observe(bucket, 0, seconds)
+    return model
+
+
+# A model whose step is mostly the weights' read: four tokens cost about what one does, eight do not.
+DEVICE = {1: 10e-3, 2: 10e-3, 4: 10.5e-3, 8: 14e-3, 16: 20e-3}
+
+
 def test_only_sequences_that_draw_exactly_per_position_speculate():
     assert exact_per_position(request([1], temperature=0.7, top_p=0.9, logprobs=3, logit_bias={3: 1.0}))
     for params in [dict(presence_penalty=0.5), dict(frequency_penalty=0.1), dict(repetition_penalty=1.2),
                    dict(min_tokens=4)]:
         assert not exact_per_position(request([1], **params))
-    config = SpeculativeConfig("ngram", 2, disable_by_batch_size=3)
-    speculator = Speculator(config, NgramProposer(2, 1, 2))
-    assert speculator.enabled_for(2) and not speculator.enabled_for(3)
+    config = SpeculativeConfig("ngram", 2, disable_by_batch_size=3, adaptive_drafting=False)
+    speculator = Speculator(config, NgramProposer(2, 1, 2), step_cost_model(DEVICE))
+    looping = [running_request([1, 2, 1, 2, 1]) for _ in range(3)]
+    speculator.prepare(looping[:2])
+    assert speculator.wants_draws_first(looping[:2])
+    speculator.propose(looping[:2], read_first=True)
+    assert [r.draft_token_ids for r in looping[:2]] == [[2, 1], [2, 1]]
+    for r in looping[:2]:
+        r.draft_token_ids = []  # what the scheduler does with them
+    speculator.prepare(looping)
+    assert not speculator.wants_draws_first(looping)
+    speculator.propose(looping, read_first=True)
+    assert not any(r.draft_token_ids for r in looping) and speculator.outcomes == {"drafting": 1, "batch_size": 1}
 
 
 def spec_step(drafts_per_seq: list[list[int]], params: SamplingParams) -> StepPlan:
@@ -174,27 +204,32 @@ def test_acceptance_is_counted_per_draft_position():
     assert stats.spec_accepted_per_pos == [1, 1, 0] and stats.spec_mean_accepted_length == 2.0
 
 
-def test_a_sequence_whose_drafts_keep_failing_is_not_waited_for_a_while():
-    """Reading the step in flight first idles the device; it pays off only while drafts stand."""
-    from jaxserve.scheduling.request import Status
-    from jaxserve.speculative import speculator as module
-
-    speculator = Speculator(SpeculativeConfig("ngram", 2), NgramProposer(2, 1, 1))
-    r = request([1, 2, 3, 4, 5, 6, 7, 8, 9])  # each token followed by the next: after t, "t + 1 ..." is drafted
-    r.token_ids.append(1)  # its first output token, known
-    r.status, r.num_computed, r.prefill_target = Status.RUNNING, 9, 9
-    speculator.prepare([r])
-    assert speculator.wants_draws_first([r])
-    for _ in range(2):  # the target drew t + 2 instead: no draft stood, twice
-        speculator.propose([r])
-        drafted = r.draft_token_ids[0]
-        assert drafted == r.token_ids[-1] + 1
-        r.draft_token_ids = []
-        r.token_ids.append(drafted + 1)
-        r.num_computed = len(r.token_ids) - 1
-    speculator.propose([r])
-    speculator.prepare([r])
-    assert not speculator.wants_draws_first([r])
-    speculator.proposals += module.RETRY_STEPS
-    speculator.prepare([r])
-    assert speculator.wants_draws_first([r])
+def test_each_sequence_verifies_the_drafts_its_acceptance_pays_for():
+    """Two sequences drafting by prompt lookup on a model whose step holds two drafts at little cost and
+    four at a third more: the one whose drafts keep standing verifies K every step, the one whose drafts
+    never stand soon verifies none, and the log's counts say drafting was on."""
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=1)
+    speculator = Speculator(config, NgramProposer(2, 1, 1), step_cost_model(DEVICE))
+    for _ in range(4):  # plain steps at this width measured: 10 ms of device time and 0.5 of host
+        speculator.cost.observe(10.5e-3, False, 2, 2, False)
+    # Two loops, each token followed by the next: after t, prompt lookup drafts t + 1, t + 2. The target
+    # goes on with the loop in the first and skips a token in the second, so none of its drafts stands.
+    good, bad = running_request([*range(1, 10), 1]), running_request([*range(20, 30), 20])
+    verified = {good.key: [], bad.key: []}
+    for _ in range(12):
+        speculator.prepare([good, bad])
+        assert speculator.wants_draws_first([good, bad])
+        speculator.propose([good, bad], read_first=True)
+        for r in (good, bad):
+            drafts, r.draft_token_ids = r.draft_token_ids, []
+            verified[r.key].append(len(drafts))
+            if r is good:
+                r.token_ids += drafts + [(drafts or r.token_ids)[-1] % 9 + 1]
+            else:
+                r.token_ids.append(((drafts or r.token_ids[-1:])[0] - 19) % 10 + 20)
+            r.num_computed = len(r.token_ids) - 1
+    assert verified[good.key][-6:] == [2] * 6
+    assert verified[bad.key][0] > 0 and verified[bad.key][-6:] == [0] * 6  # it drafted until it measured
+    assert speculator.outcomes["drafting"] == 12
+    good_gains, bad_gains = speculator.acceptance.gains(good.key), speculator.acceptance.gains(bad.key)
+    assert good_gains[1] > 0.8 and bad_gains[0] < good_gains[0] - 0.3

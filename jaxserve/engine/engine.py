@@ -228,8 +228,9 @@ class Engine(PoolingRequests, StepTiming):
         outputs = self._drain_inbox()
         speculator = self.speculator
         drafting = speculator is not None and speculator.wants_draws_first(self.scheduler.running)
-        if self._in_flight is not None and (self._in_flight.step.prefill_only or self.scheduler.waits_for_draws()
-                                            or drafting):
+        read_first = self._in_flight is not None and (self._in_flight.step.prefill_only
+                                                      or self.scheduler.waits_for_draws() or drafting)
+        if read_first:
             # Read the step in flight before planning the next one, in two cases (the device idles for the
             # planning meanwhile):
             # - It only prefills. Requests arrive in bursts spread over milliseconds (a client's wave, or
@@ -238,19 +239,20 @@ class Engine(PoolingRequests, StepTiming):
             #   of the burst would wait for two steps, one of them a prefill. Planned after it, the next
             #   step takes them all; and no decode waits on the planning, since none is running.
             # - A sequence's next span depends on its pending draw: a constrained sequence's next mask
-            #   needs the token (unconstrained traffic alone never takes this path), and a sequence
-            #   expected to draft needs it to draft from (speculative decoding, below its batch size).
+            #   needs the token (unconstrained traffic alone never takes this path), and a step that is to
+            #   draft needs its sequences' newest tokens to draft from (speculative decoding, where drafting
+            #   is estimated to pay: jaxserve/speculative/payoff.py).
             outputs.extend(self._read(self._in_flight))
             self._in_flight = None
             outputs.extend(self._drain_inbox())
         if speculator is not None:
-            speculator.propose(self.scheduler.running)
+            speculator.propose(self.scheduler.running, read_first)
         plan = self.scheduler.schedule(self.runner.step_token_limit)  # lower while programs still compile
         launched = None
         if not plan.empty:
             launched = self.runner.launch(plan, masks=self.tracker.grammar_masks(plan))
             if self.speculator is not None:
-                self.speculator.observe(launched)
+                self.speculator.observe(launched, self.scheduler.running)
             self.stats.count_step(plan)
         # While the device runs the step just launched, advance requests by the one before it.
         if self._in_flight is not None:
@@ -258,8 +260,8 @@ class Engine(PoolingRequests, StepTiming):
         self._in_flight = launched
         if speculator is not None:  # while the device runs the step
             speculator.prepare(self.scheduler.running)
-            speculator.record_step(self.stats, len(self.scheduler.running))
-            speculator.log_if_due(self.stats)
+            speculator.record_step(len(self.scheduler.running), read_first)
+            speculator.log_if_due(self.stats, self.scheduler.running)
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:

@@ -30,5 +30,6 @@ def build_speculator(config: SpeculativeConfig | None, built, runner, scheduler)
     logger.info("speculative decoding: %s, %d draft tokens per step, %s", config.method,
                 config.num_speculative_tokens, detail +
                 (f", off above {config.disable_by_batch_size} running sequences" if config.disable_by_batch_size else "")
-                + (", paused while plain steps measure faster" if config.adaptive_drafting else ""))
-    return Speculator(config, proposer)
+                + (", drafting where its expected gain pays for its measured cost"
+                   if config.adaptive_drafting else ""))
+    return Speculator(config, proposer, scheduler.step_cost)

@@ -4,15 +4,18 @@
    tables: a sequence's draft K/V lives in the same page ids as its target K/V, in the draft's own arrays.
    So the target's allocator, prefix cache and preemption govern both, and nothing else is kept per
    request.
-2. After each target step is dispatched, `observe` dispatches the draft program on the same device batch
+2. After each target step is dispatched, `observe` dispatches a draft program on the same device batch
    and the target's draws, still on the device (no host round trip):
    a. the draft model runs over the step's tokens (prompt chunks, pending tokens, drafts), writing their
       draft K/V exactly where the target wrote its own: the draft cache follows every token the target
       computes, prefill and recomputation after preemption included;
-   b. from each sequence's last standing token (known on the device from the target's draws) it runs K
-      greedy decode steps, each a one-token ragged step over every sequence row, and returns the K tokens.
+   b. only when the next step is to draft (the speculator's payoff decides, `payoff.py`): from each
+      sequence's last standing token (known on the device from the target's draws) it runs K greedy
+      decode steps, each a one-token ragged step over every sequence row, and returns the K tokens.
       Their K/V land in pages the scheduler reserved ahead (`Scheduler.lookahead`) and are overwritten
       by the next step's own tokens.
+   Each token bucket has both programs, (a) alone and (a) with (b), compiled and timed at warm-up: their
+   times are the draft model's share of a step's cost (`program_seconds`).
 3. `propose` reads the drafts of the sequence rows of the last observed step (one small array copied to
    the host with the target's draws). Drafting is greedy, so the proposal is one-hot and verification is
    exact rejection sampling (`jaxserve/execution/draws.py`).
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -47,6 +51,8 @@ from sharding.rules import kv_cache_spec
 
 
 class DraftModelProposer:
+    decides_early = True  # the speculator decides in `observe` whether the next step drafts
+
     def __init__(self, name: str, model, config: ModelConfig, runner, attention, k: int):
         self.name = name
         self.num_speculative_tokens = k
@@ -60,10 +66,14 @@ class DraftModelProposer:
         # Its layers are unrolled: a K and V array per layer (`KVCache`).
         self.kv_cache = jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding),
                                      KVCache.abstract(pages, config.num_layers, folded=False))
-        self.program = jax.jit(functools.partial(_draft_step, graphdef=self.graphdef, attention=attention,
-                                                 config=config, page_size=cache.page_size, k=k),
-                               static_argnums=(6,), donate_argnums=(1,))
-        self._compiled: dict[int, jax.stages.Compiled] = {}
+        # One program per (token bucket, drafting?): following the target's tokens alone, or drafting too.
+        self.programs = {drafting: jax.jit(functools.partial(_draft_step, graphdef=self.graphdef,
+                                                             attention=attention, config=config,
+                                                             page_size=cache.page_size, k=k if drafting else 0),
+                                           static_argnums=(6,), donate_argnums=(1,))
+                         for drafting in (False, True)}
+        self._compiled: dict[tuple[int, bool], jax.stages.Compiled] = {}
+        self._seconds: dict[tuple[int, bool], float] = {}  # each compiled program's time at warm-up
         self._observed: tuple[StepPlan, jax.Array] | None = None  # the last step, its drafts [R, K] on device
         self._host_drafts: np.ndarray | None = None
 
@@ -94,23 +104,44 @@ class DraftModelProposer:
                 jax.ShapeDtypeStruct((rows,), jnp.int32))
 
     def warmup(self) -> None:
-        """Compile the draft program of every token bucket (counted as warm-up)."""
+        """Compile both draft programs of every token bucket (counted as warm-up) and time each on an idle
+        batch (twice, the faster counting: a program's first run pays a one-off cost)."""
         with self.events.counting(warmup=True):
             for bucket, layout in self.runner.layouts.items():
                 args = self._inputs(layout)
-                self._compiled[bucket] = self.program.lower(*args[:6], layout, args[6]).compile()
+                for drafting, program in self.programs.items():
+                    self._compiled[bucket, drafting] = program.lower(*args[:6], layout, args[6]).compile()
+        for (bucket, drafting), program in self._compiled.items():
+            layout = self.runner.layouts[bucket]
+            ints, floats = layout.empty()
+            rows = self.runner.scheduler_config.max_num_seqs
+            zeros = [jax.device_put(np.zeros(shape, np.int32), self.device)
+                     for shape in ((rows,), (rows, layout.draws), (rows,))]
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                self.kv_cache, drafts = program(self.params, self.kv_cache, zeros[0], jax.device_put(ints, self.device),
+                                                jax.device_put(floats, self.device), zeros[1], zeros[2])
+                drafts.block_until_ready()
+                times.append(time.perf_counter() - start)
+            self._seconds[bucket, drafting] = min(times)
 
-    def observe(self, launched: LaunchedStep) -> None:
-        """Right after the target's step is dispatched: follow its tokens and draft from its draws."""
+    def program_seconds(self, bucket: int, drafting: bool) -> float:
+        """Device seconds of the draft program in a step of this token bucket (0 before warm-up)."""
+        return self._seconds.get((bucket, drafting), 0.0)
+
+    def observe(self, launched: LaunchedStep, draft: bool) -> None:
+        """Right after the target's step is dispatched: follow its tokens and, when the next step is to
+        draft, draft from its draws."""
         layout, draws = launched.layout, launched.results.draws
         args = [jax.device_put(a, self.device) for a in (launched.prev_samples, launched.ints, launched.floats,
                                                          draws.tokens, draws.accepted)]
-        program = self._compiled.get(layout.tokens)
+        program = self._compiled.get((layout.tokens, draft))
         with self.events.counting():
             if program is not None:
                 self.kv_cache, drafts = program(self.params, self.kv_cache, *args[:4], args[4])
             else:
-                self.kv_cache, drafts = self.program(self.params, self.kv_cache, *args[:4], layout, args[4])
+                self.kv_cache, drafts = self.programs[draft](self.params, self.kv_cache, *args[:4], layout, args[4])
         drafts.copy_to_host_async()
         self._observed = (launched.step, drafts)
         self._host_drafts = None
@@ -164,6 +195,10 @@ def _draft_step(params, kv_cache: KVCache, prev_samples, ints, floats, draw_toke
     tokens = jnp.where(batch.from_prev >= 0, prev_samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
     _, kv_cache = forward(tokens, batch.positions, batch.write_index, kv_cache, batch.cu_q_lens, batch.kv_lens)
 
+    rows = prev_samples.shape[0]
+    if k == 0:  # following the target's tokens only: the next step does not draft
+        return kv_cache, jnp.zeros((rows, 0), jnp.int32)
+
     # b. K greedy tokens after each sequence's last standing token.
     seqs = layout.seqs
     num_drafts = jnp.zeros(seqs + 1, jnp.int32).at[jnp.where(batch.row_draft >= 0, batch.row_seq, seqs)].add(1)[:seqs]
@@ -184,5 +219,4 @@ def _draft_step(params, kv_cache: KVCache, prev_samples, ints, floats, draw_toke
         out.append(token)
         position = position + 1
     drafts = jnp.stack(out, axis=1)
-    rows = prev_samples.shape[0]
     return kv_cache, jnp.zeros((rows, k), jnp.int32).at[:seqs].set(drafts)

@@ -45,7 +45,7 @@ class NgramProposer:
         index.extend(request.token_ids)
         return index
 
-    def observe(self, launched) -> None:
+    def observe(self, launched, draft: bool) -> None:
         pass  # drafts come from the host's tokens alone
 
     def prepare(self, requests: Sequence[Request]) -> None:

@@ -1,112 +1,140 @@
-"""Whether drafting makes this engine faster, measured while it serves, for each width of batch.
+"""Whether a step drafts, and how many drafts each sequence verifies: expected tokens against measured cost.
 
 Speculation trades the engine's one-step-ahead overlap (the host plans the next step while the device runs
-this one) and the verify tokens' compute for several tokens a step. Where the step is bound by host work (a
-tiny model) or the batch is wide, the trade can lose: served on this 2-core machine with every draft
-verified, prompt lookup ran stories260K and the 124.7M model at 0.61-0.71x of plain steps at 16 streams and
-gained up to 1.3x at one (docs/performance.md, "Speculative decoding"). No batch size fixed in advance
-(`disable_by_batch_size`) tells where for every model and machine, so the engine measures:
-
-1. Steps are grouped by batch width: the running sequences, rounded down to a power of two. For each width
-   the engine serves in windows of `WINDOW_STEPS` steps, each window drafting or not, and keeps for both
-   kinds the output tokens per second per running sequence (an exponential average over windows). A window
-   ends early, uncounted, when the width changes or the engine idles; the first step of each window is not
-   counted (its tokens come from the step before, of the other kind).
-2. At a width, it drafts unless plain windows have measured faster by more than `MARGIN`, and drafts
-   again once drafting windows measure faster by as much (the margin keeps noise from flipping it).
-3. Every `PROBE_EVERY` windows of a width one runs the other way, so both figures follow the load; the
-   first such probe is the width's second window.
-Drafting is exact, so which kind a window is changes no request's tokens, only how fast they come.
+this one) and the verify rows' compute for the drafts that stand. Whether that pays depends on the model,
+the machine, the width of the batch and each request's text, so it is priced every step:
+1. The speculator hands over the sequences that may draft, each with the expected gain of each of its
+   draft positions (`acceptance.py`; times the chance that a guessed drafter drafts, while the newest
+   tokens are not known yet), and the cost model (`cost.py`) prices a plain step and a drafting step with
+   n drafts at the width served.
+2. The drafts are ranked across sequences by gain. Verifying the n best gives (w + their gains) tokens in
+   drafting_seconds(n) against w tokens in plain_seconds; the n with the best rate is chosen (0 allowed;
+   within a token bucket more drafts cost the device about nothing, so each bucket's fullest n is a
+   candidate, of drafts at least `MIN_GAIN` likely to stand), and
+   drafting goes ahead only where that rate beats plain steps' by `MARGIN`. A sequence verifies its share
+   of the n best, a prefix of its drafts: K per sequence, from its own acceptance.
+3. Once the step in flight has been read (newest tokens known, drafts found), the choice is made again
+   with the drafts found. Reading first is paid for by then, except that a step verifying drafts makes the
+   next one read first too, which is charged unless drafting was the plan anyway.
+4. Probes: where drafting does not pay by the estimates, it is tried now and then, so that estimates gone
+   stale (acceptance rising, a verify step that got cheaper) can bring it back. A probe verifies every
+   draft found. It is taken only when a budget allows: the budget grows by `PROBE_SHARE` of every second
+   served and pays each probe's predicted extra time (its step and the read-first step after it, with no
+   credit for the tokens it gains, and at least a plain step's time), holding at most one probe's worth.
+   So probes cost at most PROBE_SHARE of the serving time, and come about every 1 / PROBE_SHARE
+   probe-lengths of it.
+5. The speculator counts each step's outcome (`OUTCOMES`): drafting, probe, or off and why.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-import time
+import dataclasses
+import itertools
+from typing import Sequence
 
-logger = logging.getLogger(__name__)
-WINDOW_STEPS = 16
-PROBE_EVERY = 16
-MARGIN = 0.05
-SMOOTHING = 0.3  # weight of the newest window in each kind's average
+from jaxserve.speculative.cost import DraftingCost
+
+MARGIN = 0.05  # drafting must be estimated this much faster than plain steps
+# A draft less likely than this to stand is not verified, even where its row costs the device nothing (its
+# token bucket's program runs anyway): the host still plans, sends and reads it back.
+MIN_GAIN = 0.1
+PROBE_SHARE = 0.01  # of the serving time, at most, spent on probes' extra time (the issue allows 2%)
+OUTCOMES = {
+    "drafting": "drafts verified: estimated to pay",
+    "probe": "drafts verified to measure again, where the estimates say they do not pay",
+    "unprofitable": "off: the drafts found or expected would not pay for the verify step and its reading first",
+    "no_drafts": "off: no sequence may draft, or none is expected to find drafts",
+    "measuring": "off: plain steps at this width are not measured yet",
+    "batch_size": "off: disable_by_batch_size running sequences or more",
+}
 
 
-def width_class(running: int) -> int:
-    """The batch width steps are grouped by: running sequences rounded down to a power of two."""
-    return 1 << (running.bit_length() - 1)
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    drafting: bool  # read the step in flight first, then draft (a probe included)
+    outcome: str  # a key of OUTCOMES
+    gain: float = 0.0  # expected tokens the drafts add to the step
+    seconds: float = 0.0  # the step's estimated extra time over a plain one
+
+
+OFF = {reason: Decision(False, reason) for reason in ("unprofitable", "no_drafts", "measuring", "batch_size")}
+
+
+def best_drafts(gains: Sequence[Sequence[float]], running: int, cost: DraftingCost, baseline: float,
+                extra: float) -> tuple[list[int], float, float]:
+    """The drafts to verify per sequence (`gains[s]`: sequence s's, non-increasing) that give the best
+    tokens per second, `running` sequences making one token each; `baseline`: seconds of the step without
+    drafts; `extra`: seconds any drafting adds beyond its step. Returns (drafts per sequence, their summed
+    gain, the drafting step's seconds), all zero where no n beats the baseline's rate."""
+    ranked = sorted(((g, s) for s, row in enumerate(gains) for g in row if g >= MIN_GAIN), reverse=True)
+    if not ranked:
+        return [0] * len(gains), 0.0, 0.0
+    total = list(itertools.accumulate(g for g, _ in ranked))
+    best_n, best_rate, best_seconds = 0, running / baseline, 0.0
+    buckets = cost.step_cost.buckets
+    for n in sorted({min(b - running, len(ranked)) for b in buckets if b > running} | {len(ranked)}):
+        if n <= 0:
+            continue
+        seconds = cost.drafting_seconds(running, n) + extra
+        rate = (running + total[n - 1]) / seconds
+        if rate > best_rate:
+            best_n, best_rate, best_seconds = n, rate, seconds
+        if n == len(ranked):
+            break
+    counts = [0] * len(gains)
+    for _, s in ranked[:best_n]:
+        counts[s] += 1
+    return counts, total[best_n - 1] if best_n else 0.0, best_seconds
 
 
 class DraftingPayoff:
-    def __init__(self, window_steps: int = WINDOW_STEPS, probe_every: int = PROBE_EVERY,
-                 clock=time.perf_counter):
-        self.window_steps = window_steps
-        self.probe_every = probe_every
-        self.clock = clock
-        self.rates: dict[tuple[int, bool], float] = {}  # (width, drafting?) -> tokens/s per running sequence
-        self.prefer_drafting: dict[int, bool] = {}  # width -> the better-measured kind (default: drafting)
-        self.windows: collections.Counter = collections.Counter()  # width -> windows completed
-        self.drafting = True  # the current window's kind
-        self._width: int | None = None  # the current window's width (None: no window open)
-        self._steps = 0
-        self._seq_steps = 0  # running sequences summed over the window's counted steps
-        self._tokens_at = 0  # the output-token count when the window's counting began
-        self._seconds = 0.0
-        self._last: float | None = None  # when the last counted (or anchoring) step ended
+    def __init__(self, cost: DraftingCost, probe_share: float = PROBE_SHARE, margin: float = MARGIN):
+        self.cost = cost
+        self.probe_share = probe_share
+        self.margin = margin
+        self.budget = 0.0  # seconds probes may still spend
+        self.probe_seconds = 0.0  # predicted extra seconds spent on probes, for the log and tests
+        self.served_seconds = 0.0
 
-    def allows_drafting(self) -> bool:
-        return self.drafting
+    def served(self, seconds: float) -> None:
+        """An engine-loop period with sequences running: the probe budget grows with it."""
+        self.served_seconds += seconds
+        self.budget += self.probe_share * seconds
 
-    def record_step(self, generated_tokens: int, running: int) -> None:
-        """After each engine step: `generated_tokens` is the engine's running total of output tokens,
-        `running` the sequences it serves (0: idle, the window is dropped)."""
-        now = self.clock()
-        width = width_class(running) if running else None
-        if width != self._width or self._last is None:
-            self._open(width, generated_tokens, now)  # this step anchors the new window; it is not counted
-            return
-        self._seconds += now - self._last
-        self._steps += 1
-        self._seq_steps += running
-        self._last = now
-        if self._steps >= self.window_steps:
-            self._close(generated_tokens)
+    def before_reading(self, running: int, expected: Sequence[Sequence[float]]) -> Decision:
+        """Whether to read the step in flight and draft: `expected[s]`, the expected gain of each draft
+        position of sequence s, a guessed drafter (its newest token not known yet)."""
+        if not expected:
+            return OFF["no_drafts"]
+        if not self.cost.measured(running):
+            return OFF["measuring"]
+        plain = self.cost.plain_seconds(running)
+        counts, gain, seconds = best_drafts(expected, running, self.cost, plain, 0.0)
+        if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
+            return Decision(True, "drafting", gain, seconds - plain)
+        # A probe: every draft verified, then a read-first step after it; charged at least a plain step,
+        # whatever the estimates say (they may be what is wrong).
+        drafts = sum(len(row) for row in expected)
+        excess = max(self.cost.drafting_seconds(running, drafts) - plain
+                     + self.cost.read_first_extra(running), plain)
+        self.budget = min(self.budget, excess)  # at most one probe's worth saved up
+        if excess <= self.budget:
+            self.budget -= excess
+            self.probe_seconds += excess
+            return Decision(True, "probe", 0.0, excess)
+        return OFF["unprofitable"]
 
-    def _restart_count(self, generated_tokens: int) -> None:
-        self._steps, self._seq_steps, self._seconds, self._tokens_at = 0, 0, 0.0, generated_tokens
-
-    def _open(self, width: int | None, generated_tokens: int, now: float) -> None:
-        self._width = width
-        self._restart_count(generated_tokens)
-        self._last = None if width is None else now
-        if width is not None:
-            self.drafting = self._kind_for(width)
-
-    def _kind_for(self, width: int) -> bool:
-        probe = self.windows[width] % self.probe_every == 1
-        return self.prefer_drafting.get(width, True) != probe
-
-    def _close(self, generated_tokens: int) -> None:
-        width, kind = self._width, self.drafting
-        rate = (generated_tokens - self._tokens_at) / max(self._seconds, 1e-9) / (self._seq_steps / self._steps)
-        old = self.rates.get((width, kind))
-        self.rates[(width, kind)] = rate if old is None else (1 - SMOOTHING) * old + SMOOTHING * rate
-        self.windows[width] += 1
-        self._decide(width)
-        self._restart_count(generated_tokens)
-        next_kind = self._kind_for(width)
-        if next_kind != kind:  # the next step, the other kind's first, only anchors the count
-            self.drafting, self._last = next_kind, None
-
-    def _decide(self, width: int) -> None:
-        drafting, plain = self.rates.get((width, True)), self.rates.get((width, False))
-        if drafting is None or plain is None:
-            return
-        was = self.prefer_drafting.get(width, True)
-        prefer = plain <= drafting * (1 + MARGIN) if was else drafting > plain * (1 + MARGIN)
-        if prefer != was:
-            logger.info("speculative decoding at %d+ running sequences: %s (per sequence: %.1f tok/s drafting, "
-                        "%.1f plain); measured again every %d windows of %d steps", width,
-                        "drafting again" if prefer else "plain steps measured faster, drafting paused",
-                        drafting, plain, self.probe_every, self.window_steps)
-            self.prefer_drafting[width] = prefer
+    def after_reading(self, running: int, gains: Sequence[Sequence[float]], planned: Decision) -> list[int]:
+        """Drafts per sequence to verify, the newest tokens known: `gains[s]` for the drafts sequence s
+        found; `planned`, what `before_reading` decided (a probe verifies every draft; a step that was not
+        to draft pays for the read-first step its drafts would cause)."""
+        if planned.outcome == "probe":
+            return [len(row) for row in gains]
+        if not self.cost.measured(running):
+            return [0] * len(gains)
+        baseline = self.cost.drafting_seconds(running, 0)
+        extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
+        counts, gain, seconds = best_drafts(gains, running, self.cost, baseline, extra)
+        if gain and (running + gain) / seconds >= (1 + self.margin) * running / baseline:
+            return counts
+        return [0] * len(gains)

@@ -1,19 +1,19 @@
-"""The engine's side of speculative decoding: who drafts this step, and the drafts left for the scheduler.
+"""The engine's side of speculative decoding: who drafts this step, how many drafts each, and what it cost.
 
-1. `wants_draws_first()`: drafting needs a sequence's newest token on the host, so when some sequence is
-   expected to draft, the engine reads the step in flight before planning the next one (the asynchronous
-   overlap is traded for several tokens per step). Above `disable_by_batch_size` running sequences, or
-   when no sequence's known tokens would give a draft, the engine keeps its one-step-ahead pipeline.
-2. `propose()` (on the critical path, timed) asks the proposer for every sequence that may speculate and
-   leaves the drafts on `Request.draft_token_ids`; the scheduler plans them into the sequence's span.
+1. `wants_draws_first()`: drafting needs a sequence's newest token on the host, so the engine reads the
+   step in flight before planning the next when this step is to draft. With `adaptive_drafting` (the
+   default) that is decided by price (`payoff.py`): the expected gain of the sequences expected to draft
+   (`acceptance.py`) against what a drafting step costs over a plain one at this width (`cost.py`), with
+   rare probes where it does not pay. A proposer that drafts on the device (a draft model) is decided for
+   one step ahead, in `observe`: its drafting program must run right behind the step before.
+2. `propose()` (on the critical path, timed) asks the proposer for the sequences whose newest token is
+   known, and chooses how many of each one's drafts to verify (K per sequence, 0 allowed); it leaves them
+   on `Request.draft_token_ids` for the scheduler. It also reads back, from the tokens that arrived, how
+   many drafts stood for each sequence that verified some: the acceptance per position.
 3. `prepare()` runs while the device computes a step: the proposer catches up on new tokens and guesses
-   which sequences will draft next time. A sequence whose drafts have lately stood less than
-   `PAYOFF_TOKENS` per verification (random text under prompt lookup) is not waited for during the next
-   `RETRY_STEPS` steps: reading the step in flight first idles the device for the host's planning, which
-   only pays off when drafts stand.
-4. `record_step()` after each step feeds `DraftingPayoff` (`payoff.py`; `adaptive_drafting`, on by default),
-   which measures whether drafting makes this engine faster under the load it serves and pauses it, for
-   everybody, while plain steps are.
+   which sequences will draft next time.
+4. `record_step()` after each engine step times the loop's period for the cost model and counts the
+   step's outcome (drafting, probe, or off and why) for the log and /metrics.
 A sequence may speculate only where verification draws exactly what a plain step would: no grammar
 (its masks follow each token), no presence, frequency or repetition penalty (their counts follow each
 token), and no `min_tokens` still suppressing EOS (its mask follows the count). Such a sequence proposes
@@ -22,19 +22,26 @@ nothing; its distribution is never changed.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Sequence
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.scheduling.request import Request
-from jaxserve.speculative.payoff import DraftingPayoff
+from jaxserve.scheduling.step_cost import StepCostModel
+from jaxserve.speculative.acceptance import Acceptance
+from jaxserve.speculative.cost import DraftingCost, width_class
+from jaxserve.speculative.payoff import OFF, Decision, DraftingPayoff
 from jaxserve.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_SECONDS = 10.0
-PAYOFF_TOKENS = 0.5  # accepted drafts per verification (moving average) below which a sequence is benched
-RETRY_STEPS = 32  # steps a benched sequence is not waited for
+# While drafting is off (adaptive), the decision is made again every this many steps, and the proposer's
+# guesses of who would draft are made only for those steps: an engine that does not draft should cost
+# what one without speculation costs, and on a small model the host's work per step is the step.
+RECHECK_STEPS = 8
+DRAFT_ALL = Decision(True, "drafting")  # without adaptive drafting: every draft found is verified
 
 
 def exact_per_position(request: Request) -> bool:
@@ -45,52 +52,120 @@ def exact_per_position(request: Request) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, step_cost: StepCostModel):
         self.config = config
         self.proposer = proposer
         self.num_speculative_tokens = config.num_speculative_tokens
         self.propose_seconds = 0.0  # host time on the critical path (proposing), for the log and metrics
         self.prepare_seconds = 0.0  # host time overlapped with the device (indexing, guessing)
         self.proposals = 0  # propose() calls
+        self.acceptance = Acceptance(config.num_speculative_tokens)
+        self.cost = DraftingCost(step_cost, getattr(proposer, "program_seconds", None))
+        self.payoff = DraftingPayoff(self.cost) if config.adaptive_drafting else None
+        self.outcomes: collections.Counter = collections.Counter()  # OUTCOMES key -> engine steps
+        self._decides_early = getattr(proposer, "decides_early", False)
+        self._planned = OFF["no_drafts"]  # this step's decision (or, deciding early, the next step's)
+        self._recheck_at = 0  # the proposal count from which the decision is made again while off
+        self._width = 0  # the width class of the batch when it was made
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
         self._verifying: dict[int, tuple[int, int]] = {}  # key -> (known tokens when it drafted, drafts)
-        self._payoff: dict[int, float] = {}  # key -> moving average of its accepted drafts per verification
-        self._benched_until: dict[int, int] = {}  # key -> the proposal count when it may be waited for again
+        self._step_started = self._launched_at = 0.0
+        self._launched: tuple[int, bool] | None = None  # this call's step: (tokens, drafting program?)
+        self._in_flight: tuple[int, bool] | None = None  # the step the next call waits for
+        self._period_start: float | None = None
         self._logged_at = time.monotonic()
-        self._logged_counts = (0, 0, 0)
-        self.payoff = DraftingPayoff() if config.adaptive_drafting else None
+        self._logged = (0, 0, 0, collections.Counter())
 
-    def enabled_for(self, running: int) -> bool:
-        limit = self.config.disable_by_batch_size
-        return (limit is None or running < limit) and (self.payoff is None or self.payoff.allows_drafting())
-
-    def record_step(self, stats, running: int) -> None:
-        """After each engine step (`stats`: the engine's `EngineStats`; `running`: sequences it served)."""
-        if self.payoff is not None:
-            self.payoff.record_step(stats.generation_tokens, running)
+    # ---- deciding -----------------------------------------------------------------------------------
 
     def candidates(self, requests: Sequence[Request]) -> list[Request]:
-        if not self.enabled_for(len(requests)):
-            return []
         return [r for r in requests if r.is_decoding and not r.is_prefilling and r.num_tokens < r.max_len - 1
                 and exact_per_position(r)]
 
-    def wants_draws_first(self, running: Sequence[Request]) -> bool:
-        """Whether to read the step in flight before planning: some sequence is expected to draft."""
-        return self.enabled_for(len(running)) and any(r.key in self._hopeful for r in running)
+    def _plan(self, running: Sequence[Request], hopeful: set[int] | None) -> Decision:
+        """The decision for the next step: made again every step while it drafts, every RECHECK_STEPS
+        steps while it does not (or when the width class changes)."""
+        width = width_class(len(running)) if running else 0
+        if self._guessing or width != self._width:
+            self._planned = self._decide(running, hopeful)
+            self._width = width
+            self._recheck_at = self.proposals + RECHECK_STEPS
+        return self._planned
 
-    def propose(self, running: Sequence[Request]) -> None:
+    @property
+    def _guessing(self) -> bool:
+        """Whether the next decision will be made, and needs the proposer's guesses of who will draft."""
+        return self.payoff is None or self._planned.drafting or self.proposals >= self._recheck_at
+
+    def _decide(self, running: Sequence[Request], hopeful: set[int] | None) -> Decision:
+        """Whether the next step drafts: `hopeful`, the requests expected to draft (None: every candidate)."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            return OFF["batch_size"]
+        expecting = [r for r in self.candidates(running) if hopeful is None or r.key in hopeful]
+        if not expecting:
+            return OFF["no_drafts"]
+        if self.payoff is None:
+            return DRAFT_ALL
+        acceptance = self.acceptance
+        expected = []
+        for r in expecting:
+            hit = acceptance.hit(r.key)
+            expected.append([hit * g for g in acceptance.gains(r.key)])
+        return self.payoff.before_reading(len(running), expected)
+
+    def wants_draws_first(self, running: Sequence[Request]) -> bool:
+        """Whether to read the step in flight before planning: this step is to draft."""
+        self._step_started = time.perf_counter()
+        if not self._decides_early:
+            self._plan(running, self._hopeful)
+        return self._planned.drafting
+
+    def propose(self, running: Sequence[Request], read_first: bool) -> None:
+        """Drafts for the sequences whose newest token is known, as many of each as pay. Their tokens are
+        known when the engine read the step in flight first (`read_first`), for whatever reason, or had
+        none in flight."""
         start = time.perf_counter()
-        self._settle(running)
-        ready = [r for r in self.candidates(running) if not r.num_pending]
+        if self._verifying:
+            self._settle(running)
+        planned = self._planned
+        known = read_first or self._in_flight is None
+        ready = ([r for r in self.candidates(running) if not r.num_pending]
+                 if known and planned.outcome != "batch_size" else [])
+        verified = found = False
         if ready:
-            for request, drafts in zip(ready, self.proposer.propose(ready)):
-                request.draft_token_ids = drafts[:self.num_speculative_tokens]
-                if drafts:
-                    self._verifying[request.key] = (len(request.token_ids), len(request.draft_token_ids))
+            drafts = [d[:self.num_speculative_tokens] for d in self.proposer.propose(ready)]
+            found = any(drafts)
+            counts = self._counts(running, ready, drafts, planned)
+            for request, found_drafts, count in zip(ready, drafts, counts):
+                request.draft_token_ids = found_drafts[:count]
+                if count:
+                    verified = True
+                    self._verifying[request.key] = (len(request.token_ids), count)
+        if running:
+            self.outcomes[self._outcome(planned, verified, found)] += 1
         self.proposals += 1
+        self.acceptance.step()
         self.propose_seconds += time.perf_counter() - start
+
+    def _counts(self, running, ready: list[Request], drafts: list[list[int]], planned: Decision) -> list[int]:
+        if self.payoff is None:
+            return [len(d) for d in drafts]
+        if planned.drafting:  # how often a guess that a sequence would draft came true
+            for request, found in zip(ready, drafts):
+                if self._decides_early or request.key in self._hopeful:
+                    self.acceptance.guessed(request.key, bool(found))
+        gains = [self.acceptance.gains(r.key)[:len(d)] for r, d in zip(ready, drafts)]
+        return self.payoff.after_reading(len(running), gains, planned)
+
+    @staticmethod
+    def _outcome(planned: Decision, verified: bool, found: bool) -> str:
+        if verified:
+            return "probe" if planned.outcome == "probe" else "drafting"
+        if planned.drafting:
+            return "unprofitable" if found else "no_drafts"
+        return planned.outcome
 
     def _settle(self, running: Sequence[Request]) -> None:
         """How many drafts stood for each sequence whose verification the host has read since."""
@@ -99,36 +174,24 @@ class Speculator:
             if verifying is None or request.num_pending or len(request.token_ids) <= verifying[0]:
                 continue
             del self._verifying[request.key]
-            accepted = min(len(request.token_ids) - verifying[0] - 1, verifying[1])
-            payoff = (self._payoff.get(request.key, 1.0) + accepted) / 2
-            if payoff < PAYOFF_TOKENS:
-                self._benched_until[request.key] = self.proposals + RETRY_STEPS
-                payoff = PAYOFF_TOKENS  # one more chance once it is back
-            self._payoff[request.key] = payoff
+            stood = min(len(request.token_ids) - verifying[0] - 1, verifying[1])
+            self.acceptance.verified(request.key, verifying[1], stood)
 
-    def log_if_due(self, stats) -> None:
-        """Every few seconds while drafts are verified, vLLM's summary: acceptance, mean accepted length,
-        per position, and the proposer's host time per step (`stats`: the engine's `EngineStats`)."""
-        now = time.monotonic()
-        counts = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
-        if now - self._logged_at < LOG_INTERVAL_SECONDS or counts == self._logged_counts:
-            return
-        drafts, drafted, accepted = (a - b for a, b in zip(counts, self._logged_counts))
-        self._logged_at, self._logged_counts = now, counts
-        per_position = [f"{a / stats.spec_drafts:.2f}" for a in stats.spec_accepted_per_pos]
-        logger.info("speculative decoding: %d drafts, acceptance %.1f%%, mean accepted length %.2f; since start: "
-                    "per position %s, proposer %.2f ms per step on the critical path (%.2f ms overlapped)",
-                    drafts, 100 * accepted / max(drafted, 1), 1 + accepted / max(drafts, 1),
-                    ", ".join(per_position), 1e3 * self.propose_seconds / max(self.proposals, 1),
-                    1e3 * self.prepare_seconds / max(self.proposals, 1))
+    # ---- around the device step -----------------------------------------------------------------------
 
     def warmup(self) -> None:
         warmup = getattr(self.proposer, "warmup", None)
         if warmup is not None:
             warmup()
 
-    def observe(self, launched) -> None:
-        self.proposer.observe(launched)
+    def observe(self, launched, running: Sequence[Request]) -> None:
+        """Right after a step is dispatched. A proposer drafting on the device decides here whether the
+        next step drafts, since its drafting program runs now."""
+        self._launched_at = time.perf_counter()
+        if self._decides_early:
+            self._plan(running, None)
+        self.proposer.observe(launched, self._planned.drafting)
+        self._launched = (launched.step.num_tokens, self._decides_early and self._planned.drafting)
 
     def prepare(self, running: Sequence[Request]) -> None:
         start = time.perf_counter()
@@ -137,11 +200,58 @@ class Speculator:
         if gone:
             self.proposer.forget(list(gone))
             for key in gone:
-                for kept in (self._verifying, self._payoff, self._benched_until):
-                    kept.pop(key, None)
+                self._verifying.pop(key, None)
+                self.acceptance.forget(key)
         self._known = keys
-        candidates = self.candidates(running)
-        self.proposer.prepare(candidates)
-        self._hopeful = {r.key for r in candidates if self._benched_until.get(r.key, 0) <= self.proposals
-                         and self.proposer.expects_drafts(r)}
+        if self._guessing and not self._decides_early:
+            candidates = self.candidates(running)
+            self.proposer.prepare(candidates)
+            self._hopeful = {r.key for r in candidates if self.proposer.expects_drafts(r)}
         self.prepare_seconds += time.perf_counter() - start
+
+    def record_step(self, running: int, read_first: bool) -> None:
+        """After each engine step (`running`: the sequences it served; `read_first`: whether it read the
+        step in flight before planning this one)."""
+        now = time.perf_counter()
+        reading, self._in_flight, self._launched = self._in_flight, self._launched, None
+        if running == 0:
+            self._period_start = None
+            self.cost.idle()
+            return
+        if not read_first and self._in_flight is not None:
+            self.cost.planned(self._launched_at - self._step_started, running)
+        if self._period_start is not None and reading is not None:
+            period = now - self._period_start
+            self.cost.observe(period, read_first, running, *reading)
+            if self.payoff is not None:
+                self.payoff.served(period)
+        self._period_start = now
+
+    # ---- reporting --------------------------------------------------------------------------------------
+
+    def log_if_due(self, stats, running: Sequence[Request] = ()) -> None:
+        """Every few seconds while steps run: vLLM's summary (acceptance, mean accepted length, per
+        position), the proposer's host time per step, and how often drafting was on and why it was off
+        (`stats`: the engine's `EngineStats`)."""
+        now = time.monotonic()
+        if now - self._logged_at < LOG_INTERVAL_SECONDS:
+            return
+        counts = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
+        steps = self.outcomes - self._logged[3]
+        if not steps:
+            return
+        drafts, drafted, accepted = (a - b for a, b in zip(counts, self._logged[:3]))
+        self._logged_at, self._logged = now, (*counts, self.outcomes.copy())
+        if drafts:
+            per_position = [f"{a / stats.spec_drafts:.2f}" for a in stats.spec_accepted_per_pos]
+            logger.info("speculative decoding: %d drafts, acceptance %.1f%%, mean accepted length %.2f; since "
+                        "start: per position %s, proposer %.2f ms per step on the critical path (%.2f ms "
+                        "overlapped)", drafts, 100 * accepted / max(drafted, 1), 1 + accepted / max(drafts, 1),
+                        ", ".join(per_position), 1e3 * self.propose_seconds / max(self.proposals, 1),
+                        1e3 * self.prepare_seconds / max(self.proposals, 1))
+        total = sum(steps.values())
+        shares = ", ".join(f"{100 * n / total:.0f}% {outcome.replace('_', ' ')}"
+                           for outcome, n in steps.most_common())
+        logger.info("speculative decoding: %d steps: %s; %s", total, shares,
+                    self.cost.summary(len(running)) if running else "idle")
+
