@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jaxserve.entrypoints.async_engine import AsyncEngine, TokenTimer
+from jaxserve.speculative.payoff import OUTCOMES
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
@@ -152,7 +153,12 @@ def _spec_decode_state(engine):
                                labels=["phase"])
     host.add_metric(["propose"], speculator.propose_seconds)
     host.add_metric(["prepare"], speculator.prepare_seconds)
-    return (*families, per_pos, host)
+    steps = CounterMetricFamily("jaxserve:spec_decode_steps", "Engine steps by what drafting did: drafting, probe "
+                                "(drafting to measure again where it does not pay), or why it was off "
+                                "(unprofitable, no_drafts, measuring, batch_size)", labels=["outcome"])
+    for outcome in OUTCOMES:
+        steps.add_metric([outcome], speculator.outcomes[outcome])
+    return (*families, per_pos, host, steps)
 
 
 class _Exporter:

@@ -15,7 +15,9 @@ from jaxserve.engine.precision import Precision
 from jaxserve.entrypoints.args import engine_args_from
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.scheduling.stats import EngineStats
+from jaxserve.scheduling.step_cost import StepCostModel
 from jaxserve.speculative.ngram import NgramProposer
+from jaxserve.speculative.payoff import OUTCOMES
 from jaxserve.speculative.speculator import Speculator
 from server.metrics import Metrics
 
@@ -42,7 +44,8 @@ def scrape(async_engine) -> dict:
 
 
 def test_spec_decode_counters_appear_under_vllms_names():
-    speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(3, 1, 2))
+    speculator = Speculator(SpeculativeConfig("ngram", 3), NgramProposer(3, 1, 2), StepCostModel((8,)))
+    speculator.outcomes.update(drafting=5, unprofitable=3, probe=1)
     samples = scrape(fake_async_engine(speculator))
     engine_labels = [("engine", "0"), ("model_name", "m")]
     assert samples["vllm:spec_decode_num_drafts_total" + str(engine_labels)] == 2
@@ -53,6 +56,9 @@ def test_spec_decode_counters_appear_under_vllms_names():
     assert per_pos == [1, 1, 0]
     assert samples["jaxserve:spec_decode_num_drafts_total[]"] == 2
     assert "jaxserve:spec_decode_proposer_seconds_total[('phase', 'propose')]" in samples
+    # How often drafting was on, and why it was off: every outcome, zero where none happened.
+    steps = {outcome: samples[f"jaxserve:spec_decode_steps_total[('outcome', '{outcome}')]"] for outcome in OUTCOMES}
+    assert steps == {"drafting": 5, "probe": 1, "unprofitable": 3, "no_drafts": 0, "measuring": 0, "batch_size": 0}
 
 
 def test_no_spec_decode_series_without_speculation():
