@@ -21,10 +21,13 @@ of a (K+1)-token step against a 1-token step at batch 1.
    turns it off, so the ceiling is the workload's.
 4. Step cost: the runner runs one decode span of 1 token and one of K + 1 tokens (K drafts) for a single
    sequence, many times each; the ratio of the median times is printed.
-Prints one JSON line per measurement and a markdown table at the end.
+Prints one JSON line per measurement and a markdown table at the end. `--summarize FILE.jsonl` instead
+reads the levels `benchmarks/speculative_vs_llama_cpp.sh` served and prints their table (ngram / off per
+round and over all rounds), writing it beside FILE as FILE.summary.json.
 
     ./dev run python benchmarks/speculative.py --model ../shared/models/stories260K [--draft-model DIR]
     ./dev run python benchmarks/speculative.py --model DIR --write-prompts retold.jsonl --workload retold
+    ./dev run python benchmarks/speculative.py --summarize served.jsonl
 """
 
 from __future__ import annotations
@@ -103,9 +106,57 @@ def write_prompts(llm: LLM, path: str, kind: str, count: int, prompt_tokens: int
             f.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
 
 
+TARGET = 0.97  # issue 54: speculation on serves at least this fraction of speculation off's tok/s
+
+
+def served_summary(rows: list[dict]) -> tuple[list[dict], str]:
+    """The served levels (`speculative-served` JSON lines) as one row per model, workload and concurrency:
+    off and ngram tok/s per round, ngram / off per round and over all rounds (summed tok/s), acceptance,
+    the share of steps that drafted, and ngram / llama-server where it ran. Returns the rows and a markdown
+    table that ends with the rows under TARGET."""
+    levels: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("bench") != "speculative-served":
+            continue
+        level = levels.setdefault((r["model"], r["workload"], r["concurrency"]), {})
+        level.setdefault(r["stack"], []).append(r)
+    out = []
+    for (model, kind, c), stacks in levels.items():
+        off = {r.get("round", 1): r["output_tok_s"] for r in stacks.get("jaxserve-off", [])}
+        ngram = {r.get("round", 1): r for r in stacks.get("jaxserve-ngram", [])}
+        rounds = sorted(set(off) & set(ngram))
+        if not rounds:
+            continue
+        drafted = sum(ngram[n]["draft_tokens"] for n in rounds)
+        steps = sum(ngram[n].get("steps", 0) for n in rounds)
+        row = {"model": model, "workload": kind, "concurrency": c, "rounds": rounds,
+               "off_tok_s": [off[n] for n in rounds], "ngram_tok_s": [ngram[n]["output_tok_s"] for n in rounds],
+               "ratio_per_round": [round(ngram[n]["output_tok_s"] / off[n], 3) for n in rounds],
+               "ratio": round(sum(ngram[n]["output_tok_s"] for n in rounds) / sum(off[n] for n in rounds), 3),
+               "acceptance": round(sum(ngram[n]["accepted_tokens"] for n in rounds) / drafted, 3) if drafted else None,
+               "steps_drafting": round(sum(ngram[n].get("steps_drafting", 0) for n in rounds) / steps, 3)
+               if steps else None}
+        llama = stacks.get("llama-server")
+        if llama:
+            row["ngram_over_llama_server"] = round(sum(row["ngram_tok_s"]) / len(rounds) / llama[0]["output_tok_s"], 3)
+        out.append(row)
+    lines = ["| model | workload | conc | off tok/s | ngram tok/s | ngram / off per round | ngram / off | "
+             "acceptance | steps drafting | ngram / llama-server |", "|---|---|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in out:
+        share = "" if r["steps_drafting"] is None else f"{100 * r['steps_drafting']:.0f}%"
+        lines.append(f"| {r['model']} | {r['workload']} | {r['concurrency']} | "
+                     f"{', '.join(map(str, r['off_tok_s']))} | {', '.join(map(str, r['ngram_tok_s']))} | "
+                     f"{', '.join(f'{x:.2f}x' for x in r['ratio_per_round'])} | **{r['ratio']:.2f}x** | "
+                     f"{'' if r['acceptance'] is None else r['acceptance']} | {share} | "
+                     f"{r.get('ngram_over_llama_server', '')} |")
+    under = [f"{r['model']} {r['workload']} {r['concurrency']} ({r['ratio']:.2f}x)" for r in out if r["ratio"] < TARGET]
+    lines.append(f"\nngram / off under {TARGET}x: {', '.join(under) if under else 'none'}")
+    return out, "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="the model's directory (required except with --summarize)")
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--concurrency", default="1,4,16")
@@ -118,7 +169,18 @@ def main() -> int:
     ap.add_argument("--workload", choices=WORKLOADS, default=None, help="run (or write) this workload only")
     ap.add_argument("--write-prompts", default=None, metavar="FILE",
                     help="write --workload's prompts (--requests of them) as jsonl token ids and exit")
+    ap.add_argument("--summarize", default=None, metavar="FILE",
+                    help="print the table of a served run's levels (speculative_vs_llama_cpp.sh) and exit")
     args = ap.parse_args()
+    if args.summarize:
+        rows = [json.loads(line) for line in open(args.summarize) if line.startswith("{")]
+        summary, table = served_summary(rows)
+        with open(args.summarize.removesuffix(".jsonl") + ".summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
+        print(table)
+        return 0
+    if not args.model:
+        ap.error("--model is required (except with --summarize)")
     kinds = [args.workload] if args.workload else list(WORKLOADS)
     if args.write_prompts:
         # Two step programs will do: the prompts are made once, not timed.

@@ -114,6 +114,30 @@ def test_speculative_benchmark_s_retold_prompts_hold_the_model_s_own_answer(stor
         assert told == list(stories_llm.generate([opening], greedy)[0].outputs[0].token_ids)
 
 
+def test_speculative_served_summary_pairs_rounds_and_flags_levels_under_the_target():
+    """The served run's table (benchmarks/speculative_vs_llama_cpp.sh, `--summarize`): ngram against off
+    round by round and over the rounds (summed tok/s), acceptance and steps drafting from the ngram levels,
+    llama-server beside them where it ran, and the levels under issue 54's 0.97x named last."""
+    bench = load("speculative")
+
+    def level(stack, c, round_, tok_s, drafted=0, accepted=0, on=0, steps=0):
+        return {"bench": "speculative-served", "model": "m", "stack": stack, "workload": "retold",
+                "concurrency": c, "round": round_, "output_tok_s": tok_s, "draft_tokens": drafted,
+                "accepted_tokens": accepted, "steps_drafting": on, "steps": steps}
+
+    rows = [level("llama-server", 1, 1, 50.0),
+            level("jaxserve-off", 1, 1, 40.0), level("jaxserve-ngram", 1, 1, 60.0, 100, 60, 90, 100),
+            level("jaxserve-ngram", 1, 2, 50.0, 100, 40, 80, 100), level("jaxserve-off", 1, 2, 40.0),
+            level("jaxserve-off", 16, 1, 100.0), level("jaxserve-ngram", 16, 1, 95.0, 0, 0, 2, 200)]
+    summary, table = bench.served_summary(rows)
+    one, sixteen = summary
+    assert one["ratio_per_round"] == [1.5, 1.25] and one["ratio"] == 1.375 and one["acceptance"] == 0.5
+    assert one["steps_drafting"] == 0.85 and one["ngram_over_llama_server"] == 1.1
+    assert sixteen["ratio"] == 0.95 and sixteen["acceptance"] is None and sixteen["steps_drafting"] == 0.01
+    assert "| m | retold | 1 | 40.0, 40.0 | 60.0, 50.0 | 1.50x, 1.25x | **1.38x** | 0.5 | 85% | 1.1 |" in table
+    assert table.endswith("ngram / off under 0.97x: m retold 16 (0.95x)")
+
+
 def test_gpu_script_builds_a_mixture_of_experts_and_counts_the_experts_its_steps_reach(capsys, monkeypatch,
                                                                                         tmp_path):
     """--e2e-experts (the session script's moe8 part, at tiny size): a Qwen3-MoE-shaped model through the
