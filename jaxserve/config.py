@@ -331,9 +331,9 @@ class SpeculativeConfig:
     that ends the sequence and occurred earlier in it proposes the tokens that followed it. `draft_model`
     drafts with a smaller model of the same vocabulary, run on the device. Each step a sequence verifies up
     to `num_speculative_tokens` drafts; above `disable_by_batch_size` running sequences nobody drafts.
-    `adaptive_drafting` (jaxserve's own key, default on) pauses drafting while plain steps measure faster
-    under the load being served (`jaxserve/speculative/payoff.py`); off, every draft found is verified, as
-    in vLLM."""
+    `adaptive_drafting` (jaxserve's own key, default on) prices every step: each sequence verifies as many
+    drafts as its acceptance pays for against the measured cost of the verify step, none where drafting
+    does not pay (`jaxserve/speculative/payoff.py`); off, every draft found is verified, as in vLLM."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
