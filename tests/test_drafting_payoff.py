@@ -13,7 +13,7 @@ import pytest
 
 from jaxserve.scheduling.step_cost import StepCostModel
 from jaxserve.speculative.acceptance import RETRY_STEPS, Acceptance
-from jaxserve.speculative.cost import DraftingCost, width_class
+from jaxserve.speculative.cost import REFRESH_PERIODS, DraftingCost, width_class
 from jaxserve.speculative.payoff import MIN_GAIN, PROBE_SHARE, DraftingPayoff, best_drafts
 
 K = 4
@@ -133,6 +133,20 @@ def test_drafts_that_pay_are_verified_every_step():
     assert ratio > 1.5
 
 
+def test_plain_steps_are_measured_again_while_drafting_pays():
+    """While drafting pays every step reads first, so a plain step's cost is never seen again unless it is
+    measured on purpose: after REFRESH_PERIODS a few plain steps are, and when plain steps have become the
+    faster kind (here their host work fell from 4 ms to 0.2), drafting stops."""
+    machine = Machine({1: 2e-3, 2: 2e-3, 4: 2.1e-3, 8: 2.2e-3}, {False: 4e-3, True: 4.2e-3}, [[0.5] * K])
+    assert machine.run(REFRESH_PERIODS) > 1.3
+    machine.host[False] = 0.2e-3
+    machine.run(REFRESH_PERIODS // 2)
+    assert machine.outcomes.count("measuring") > 4  # the first plain steps, and those measured again
+    # Off but for probes (and a step after one, which reads first anyway and may draft where that pays).
+    last = machine.outcomes[-200:]
+    assert last.count("drafting") <= 2 and last.count("unprofitable") > 190
+
+
 @pytest.mark.parametrize("accept, want", [(0.2, "off"), (0.9, "on")])
 def test_the_same_load_drafts_or_not_by_its_acceptance(accept, want):
     machine = Machine(SMALL, HOST, [[accept] * K] * 4)
@@ -205,3 +219,12 @@ def test_the_cost_model_counts_periods_of_one_kind_and_clips_pauses():
         cost.observe(3e-3, True, 1, 5, False)
     assert cost.drafting_seconds(1, 4) == pytest.approx(3e-3, rel=0.05)
     assert cost.read_first_extra(1) == pytest.approx(0.5e-3, rel=0.1)
+    # While drafting pays every step reads first: after a long while plain steps are measured again, and
+    # the new periods outweigh the old estimate.
+    assert not cost.stale(1)
+    for _ in range(REFRESH_PERIODS):
+        cost.observe(3e-3, True, 1, 5, False)
+    assert cost.stale(1)
+    for _ in range(4):
+        cost.observe(2.5e-3, False, 1, 1, False)  # plain steps got slower: 1.5 ms of host work
+    assert not cost.stale(1) and cost.plain_seconds(1) == pytest.approx(2.5e-3, rel=0.1)

@@ -2,7 +2,9 @@
 
 1. Before a step is planned, the `Speculator` (`speculator.py`) asks its proposer for drafts for every
    running sequence that may speculate (its draw is known, and its sampling is exact per position) and
-   leaves them on `Request.draft_token_ids`; above `disable_by_batch_size` sequences nobody drafts.
+   leaves on `Request.draft_token_ids` as many as pay: `payoff.py` weighs each draft's chance of standing
+   (`acceptance.py`) against what a drafting step costs over a plain one (`cost.py`); above
+   `disable_by_batch_size` sequences nobody drafts.
 2. The scheduler plans each draft as a token of the sequence's span (counted in the token budget) and the
    step program draws after each of them and keeps the longest prefix the target reproduces
    (`jaxserve/execution/draws.py`); `update_from_output` appends what stands and rolls back the rest.

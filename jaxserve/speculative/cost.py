@@ -16,6 +16,8 @@ drafting's payoff (`payoff.py`).
    its prediction (a pause) is clipped. The time the
    attention spends on the KV read is left in the residual: drafts add a few tokens to a context of
    hundreds, and the model's KV term, fitted across buckets, is too loose to price a difference with.
+   Plain steps at a width are measured again every `REFRESH_PERIODS` (a few plain steps, while drafting
+   pays), so their cost follows the machine.
 2. Predictions: a plain step of w sequences, device(w tokens) + the overlapped residual; a drafting step
    with n drafts, device(w + n tokens) + the draft model's drafting program + the read-first residual. The
    read-first residual starts from a prior that counts as one period: the overlapped residual plus the
@@ -31,6 +33,9 @@ from jaxserve.scheduling.step_cost import StepCostModel
 
 MEMORY = 0.9  # weight of the past per new period of the same kind and width (about the last ten count)
 MIN_PERIODS = 3  # overlapped periods at a width before plain steps there count as measured
+# Plain steps at a width are measured again once their last period is this many periods old: while drafting
+# pays, every step reads first, and a plain step's cost learnt long ago (at another load) would go unchecked.
+REFRESH_PERIODS = 1024
 CLIP = 2.0  # a period more than this many times its prediction counts as if it took that long
 
 # (bucket, drafting?) -> seconds of a proposer's own device program in a step of that bucket (a draft model
@@ -45,16 +50,20 @@ def width_class(running: int) -> int:
 
 class _Average:
     """A running mean of the first periods (a prior, when given, counting as one), then an exponential
-    average."""
-    __slots__ = ("value", "count", "weight")
+    average; measured again after REFRESH_PERIODS, it starts a running mean again from its old value."""
+    __slots__ = ("value", "count", "weight", "at")
 
     def __init__(self, prior: float | None = None):
         self.value, self.count, self.weight = prior or 0.0, 0, 0 if prior is None else 1
+        self.at = 0  # the period count at its last period
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, at: int) -> None:
+        if self.count and at - self.at >= REFRESH_PERIODS:
+            self.weight = 1  # measured again after a long while: the old value counts as one period
         self.weight += 1
         self.count += 1
         self.value += (x - self.value) * max(1 / self.weight, 1 - MEMORY)
+        self.at = at
 
 
 class DraftingCost:
@@ -64,6 +73,7 @@ class DraftingCost:
         self._residual: dict[tuple[bool, int], _Average] = {}  # (read first?, width class) -> seconds
         self._planning: dict[int, _Average] = {}  # width class -> host seconds from a step's start to launch
         self._last_kind: bool | None = None
+        self.periods = 0  # periods seen
 
     @property
     def calibrated(self) -> bool:
@@ -82,6 +92,7 @@ class DraftingCost:
         the step it waited for held `tokens` tokens (its proposer program drafting or not) while `running`
         sequences ran."""
         last, self._last_kind = self._last_kind, read_first
+        self.periods += 1
         if last != read_first or running == 0:
             return
         device = self.device_seconds(tokens, drafting_program)
@@ -92,11 +103,11 @@ class DraftingCost:
             average = self._residual[key] = _Average(prior)
         if average.weight:
             seconds = min(seconds, CLIP * max(device + average.value, 1e-6))
-        average.add(seconds - device)
+        average.add(seconds - device, self.periods)
 
     def planned(self, seconds: float, running: int) -> None:
         """Host seconds from the start of an overlapped step's planning to its launch."""
-        self._planning.setdefault(width_class(running), _Average()).add(seconds)
+        self._planning.setdefault(width_class(running), _Average()).add(seconds, self.periods)
 
     def idle(self) -> None:
         """The engine idled: the next period starts a new run of periods."""
@@ -106,6 +117,11 @@ class DraftingCost:
         """Whether plain steps at this width have been measured (predictions need them)."""
         average = self._residual.get((False, width_class(running)))
         return self.calibrated and average is not None and average.count >= MIN_PERIODS
+
+    def stale(self, running: int) -> bool:
+        """Whether plain steps at this width were last measured REFRESH_PERIODS periods ago or more."""
+        average = self._residual.get((False, width_class(running)))
+        return average is not None and self.periods - average.at >= REFRESH_PERIODS
 
     def residual(self, read_first: bool, running: int) -> float:
         width = width_class(running)

@@ -44,7 +44,7 @@ OUTCOMES = {
     "probe": "drafts verified to measure again, where the estimates say they do not pay",
     "unprofitable": "off: the drafts found or expected would not pay for the verify step and its reading first",
     "no_drafts": "off: no sequence may draft, or none is expected to find drafts",
-    "measuring": "off: plain steps at this width are not measured yet",
+    "measuring": "off: plain steps at this width are being measured (first, or again after a long while)",
     "batch_size": "off: disable_by_batch_size running sequences or more",
 }
 
@@ -111,6 +111,8 @@ class DraftingPayoff:
         plain = self.cost.plain_seconds(running)
         counts, gain, seconds = best_drafts(expected, running, self.cost, plain, 0.0)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
+            if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
+                return OFF["measuring"]
             return Decision(True, "drafting", gain, seconds - plain)
         # A probe: every draft verified, then a read-first step after it; charged at least a plain step,
         # whatever the estimates say (they may be what is wrong).
@@ -130,8 +132,8 @@ class DraftingPayoff:
         to draft pays for the read-first step its drafts would cause)."""
         if planned.outcome == "probe":
             return [len(row) for row in gains]
-        if not self.cost.measured(running):
-            return [0] * len(gains)
+        if planned.outcome == "measuring" or not self.cost.measured(running):
+            return [0] * len(gains)  # plain steps, until they are measured
         baseline = self.cost.drafting_seconds(running, 0)
         extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
         counts, gain, seconds = best_drafts(gains, running, self.cost, baseline, extra)
