@@ -107,7 +107,11 @@ class DraftingCost:
 
     def planned(self, seconds: float, running: int) -> None:
         """Host seconds from the start of an overlapped step's planning to its launch."""
-        self._planning.setdefault(width_class(running), _Average()).add(seconds, self.periods)
+        width = width_class(running)
+        average = self._planning.get(width)
+        if average is None:
+            average = self._planning[width] = _Average()
+        average.add(seconds, self.periods)
 
     def idle(self) -> None:
         """The engine idled: the next period starts a new run of periods."""

@@ -218,8 +218,8 @@ class Speculator:
             self._period_start = None
             self.cost.idle()
             return
-        if not read_first and self._in_flight is not None:
-            self.cost.planned(self._launched_at - self._step_started, running)
+        if not read_first and self._in_flight is not None and self.proposals % RECHECK_STEPS == 0:
+            self.cost.planned(self._launched_at - self._step_started, running)  # a sample now and then will do
         if self._period_start is not None and reading is not None:
             period = now - self._period_start
             self.cost.observe(period, read_first, running, *reading)
