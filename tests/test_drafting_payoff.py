@@ -30,13 +30,15 @@ def step_cost_model(device: dict[int, float]) -> StepCostModel:
 class Machine:
     """A scripted engine. `device`: seconds of each token bucket's step; `host`: host seconds a step adds
     when it plans while the device runs (False) and when it reads the step in flight first (True);
-    `accept[s]`: sequence s's chance that draft i stands once drafts 1..i-1 have. Each step decides as the
+    `accept[s]`: sequence s's chance that draft i stands once drafts 1..i-1 have; `verify`: seconds of each
+    bucket's step when it verifies drafts (default: `device`). Each step decides as the
     speculator does, samples what stands, and reports the step's time as the engine loop's period."""
 
     def __init__(self, device: dict[int, float], host: dict[bool, float], accept: list[list[float]],
-                 noise: float = 0.1, seed: int = 0):
+                 noise: float = 0.1, seed: int = 0, verify: dict[int, float] | None = None):
         self.device, self.host, self.accept = device, host, accept
-        self.cost = DraftingCost(step_cost_model(device))
+        self.verify = verify or device  # a step verifying drafts: its program's draft rows run too
+        self.cost = DraftingCost(step_cost_model(device), step_cost_model(self.verify))
         self.payoff = DraftingPayoff(self.cost)
         self.acceptance = Acceptance(K)
         self.rng = random.Random(seed)
@@ -80,9 +82,10 @@ class Machine:
                 acceptance.verified(s, drafts, stood)
                 made += stood
         drafted = sum(counts)
-        seconds = self.device[self.cost.step_cost.bucket_for(self.running + drafted)] + self.host[read_first]
+        bucket = self.cost.step_cost.bucket_for(self.running + drafted)
+        seconds = (self.verify if drafted else self.device)[bucket] + self.host[read_first]
         seconds *= 1 + self.noise * (2 * self.rng.random() - 1)
-        self.cost.observe(seconds, read_first, self.running, self.running + drafted, False)
+        self.cost.observe(seconds, read_first, self.running, self.running + drafted, drafted > 0)
         self.payoff.served(seconds)
         acceptance.step()
         self.read_next = drafted > 0
@@ -156,6 +159,18 @@ def test_the_same_load_drafts_or_not_by_its_acceptance(accept, want):
     assert ratio > (1.2 if want == "on" else 0.97)
 
 
+def test_verify_rows_priced_per_bucket_keep_drafting_to_the_bucket_where_it_pays():
+    """A verify step runs a draft row (an LM head and a draw) per row its bucket holds, so it costs more
+    than a plain step of the same bucket, the more the bigger the bucket (the 124.7M model's 32000-way head
+    on a CPU). At 16 sequences drafts pay in the 32-token bucket and not beyond it."""
+    device = {16: 10e-3, 32: 11e-3, 64: 13e-3, 128: 17e-3}
+    verify = {16: 10e-3, 32: 14e-3, 64: 40e-3, 128: 90e-3}
+    machine = Machine(device, {False: 0.5e-3, True: 1e-3}, [[0.8] * K] * 16, verify=verify)
+    assert machine.run(1000) > 1.1
+    assert all(sum(counts) <= 16 for counts in machine.drafts[-200:])  # 16 + 16 tokens: the 32 bucket
+    assert machine.outcomes[-200:].count("drafting") == 200
+
+
 def test_drafts_per_sequence_follow_each_ones_acceptance():
     """Two sequences whose first two drafts always stand and the third never does, one whose drafts never
     stand, one whose drafts always do; a token bucket of 12 holds eight drafts at little cost and the next
@@ -206,25 +221,45 @@ def test_the_cost_model_counts_periods_of_one_kind_and_clips_pauses():
     cost = DraftingCost(step_cost_model({1: 1e-3, 8: 2e-3}))
     assert not cost.measured(1)
     for _ in range(5):
-        cost.observe(1.5e-3, False, 1, 1, False)  # overlapped: 1 ms device + 0.5 ms residual
+        cost.observe(1.5e-3, False, 1, 1)  # overlapped: 1 ms device + 0.5 ms residual
     cost.planned(0.3e-3, 1)
     assert cost.measured(1) and cost.plain_seconds(1) == pytest.approx(1.5e-3)
     # Reading first, not measured yet: the overlapped residual plus the host's planning time.
     assert cost.drafting_seconds(1, 4) == pytest.approx(2e-3 + 0.8e-3)
-    cost.observe(10e-3, True, 1, 5, False)  # switches kind: mixes both, not counted
+    cost.observe(10e-3, True, 1, 5, True)  # switches kind: mixes both, not counted
     assert cost.drafting_seconds(1, 4) == pytest.approx(2.8e-3)
-    cost.observe(100e-3, True, 1, 5, False)  # a pause: clipped to twice the prediction, one period beside the prior
+    cost.observe(100e-3, True, 1, 5, True)  # a pause: clipped to twice the prediction, one period beside the prior
     assert cost.drafting_seconds(1, 4) < 4.3e-3
     for _ in range(40):
-        cost.observe(3e-3, True, 1, 5, False)
+        cost.observe(3e-3, True, 1, 5, True)
     assert cost.drafting_seconds(1, 4) == pytest.approx(3e-3, rel=0.05)
     assert cost.read_first_extra(1) == pytest.approx(0.5e-3, rel=0.1)
     # While drafting pays every step reads first: after a long while plain steps are measured again, and
     # the new periods outweigh the old estimate.
     assert not cost.stale(1)
     for _ in range(REFRESH_PERIODS):
-        cost.observe(3e-3, True, 1, 5, False)
+        cost.observe(3e-3, True, 1, 5, True)
     assert cost.stale(1)
     for _ in range(4):
-        cost.observe(2.5e-3, False, 1, 1, False)  # plain steps got slower: 1.5 ms of host work
+        cost.observe(2.5e-3, False, 1, 1)  # plain steps got slower: 1.5 ms of host work
     assert not cost.stale(1) and cost.plain_seconds(1) == pytest.approx(2.5e-3, rel=0.1)
+
+
+def test_a_draft_models_own_program_is_part_of_a_drafting_steps_cost():
+    """A draft model follows every step (its cache must see every token) and drafts only for a step that is
+    to draft: its drafting program's time counts in a drafting step, its following program's in a plain one,
+    so drafts that would pay on prompt lookup's cost need not pay with a draft model's."""
+    device = {1: 10e-3, 8: 11e-3}
+    program = {(1, False): 1e-3, (8, False): 1.5e-3, (1, True): 6e-3, (8, True): 8e-3}
+    cost = DraftingCost(step_cost_model(device), None, lambda bucket, drafting: program[bucket, drafting])
+    for _ in range(4):
+        cost.observe(11.5e-3, False, 1, 1)  # device 10 + following 1 + 0.5 of host
+    assert cost.plain_seconds(1) == pytest.approx(11.5e-3)
+    assert cost.drafting_seconds(1, 3) == pytest.approx(11e-3 + 8e-3 + 0.5e-3)
+    payoff = DraftingPayoff(cost)
+    expected = [[0.6, 0.36, 0.22]]  # about 1.2 tokens more a step: 2.2 tokens in 19.5 ms against 1 in 11.5
+    assert payoff.before_reading(1, expected).outcome == "drafting"
+    cost = DraftingCost(step_cost_model(device), None, lambda bucket, drafting: 3 * program[bucket, drafting])
+    for _ in range(4):
+        cost.observe(13.5e-3, False, 1, 1)
+    assert DraftingPayoff(cost).before_reading(1, expected).outcome == "unprofitable"

@@ -185,14 +185,15 @@ def test_sampled_tokens_keep_the_target_distribution(plain, drafted):
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_adaptive_drafting_prices_each_step_and_keeps_the_tokens(method, stories_dir, draft_dir, plain):
     """The default: each step drafts or not by its price (`jaxserve/speculative/payoff.py`, whose decisions
-    are tested with a scripted machine in tests/test_drafting_payoff.py). Whatever it chooses, greedy tokens
-    are plain decoding's, nothing compiles after warm-up (a draft model's following-only programs were
+    are tested with a scripted machine in tests/test_drafting_payoff.py). Whatever it chooses, greedy and
+    seeded tokens are plain decoding's, nothing compiles after warm-up (a draft model's following-only programs were
     compiled at warm-up too), nothing leaks, and every step's outcome is counted."""
     spec = ({k: v for k, v in SPEC.items() if k != "adaptive_drafting"} if method == "ngram" else
             {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
     adaptive = LLM(str(stories_dir), speculative_config=spec, **SHAPES)
-    greedy = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
-    assert ids(adaptive.generate(PROMPTS, greedy)) == ids(plain.generate(PROMPTS, greedy))
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=160, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # greedy and seeded
+    assert ids(adaptive.generate(PROMPTS, params)) == ids(plain.generate(PROMPTS, params))
     engine = adaptive.engine
     speculator = engine.speculator
     assert set(speculator.outcomes) <= set(OUTCOMES) and 0 < sum(speculator.outcomes.values()) <= engine.step_count

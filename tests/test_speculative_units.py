@@ -211,7 +211,7 @@ def test_each_sequence_verifies_the_drafts_its_acceptance_pays_for():
     config = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=1)
     speculator = Speculator(config, NgramProposer(2, 1, 1), step_cost_model(DEVICE))
     for _ in range(4):  # plain steps at this width measured: 10 ms of device time and 0.5 of host
-        speculator.cost.observe(10.5e-3, False, 2, 2, False)
+        speculator.cost.observe(10.5e-3, False, 2, 2)
     # Two loops, each token followed by the next: after t, prompt lookup drafts t + 1, t + 2. The target
     # goes on with the loop in the first and skips a token in the second, so none of its drafts stands.
     good, bad = running_request([*range(1, 10), 1]), running_request([*range(20, 30), 20])

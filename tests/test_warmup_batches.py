@@ -15,6 +15,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import step_timing
 from jaxserve.scheduling.pages import NULL_PAGE
+from jaxserve.scheduling.step_cost import StepCostModel
 
 # n-gram speculation so that the programs verify drafts and the draft branch is among those entered.
 SPEC = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
@@ -27,17 +28,19 @@ def llm(stories_dir):
                speculative_config=SPEC)
 
 
-def views(runner, layout, every_option):
-    return layout.packing.views(*runner.builder.warmup(layout, every_option))
+def views(runner, layout, every_option, verify=False):
+    return layout.packing.views(*runner.builder.warmup(layout, every_option, verify))
 
 
-@pytest.mark.parametrize("every_option", [False, True])
-def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, every_option):
+@pytest.mark.parametrize("every_option, verify", [(False, False), (True, False), (False, True)])
+def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, every_option, verify):
+    """The two warm-up batches, and the verify batch that times a step's draft rows (greedy sequences of
+    a draft and the token after it)."""
     runner = llm.engine.runner
     for layout in runner.layouts.values():
-        b = views(runner, layout, every_option)
+        b = views(runner, layout, every_option, verify)
         n = int(np.count_nonzero(b.kv_lens))
-        drafts = every_option and layout.tokens > 1  # a one-token bucket has no room for a draft
+        drafts = (every_option or verify) and layout.tokens > 1  # a one-token bucket has no room for a draft
         assert n == (min(layout.seqs, layout.tokens // 2) if drafts else 1 if every_option
                      else min(layout.seqs, layout.tokens))
         assert b.cu_q_lens[n] == b.cu_q_lens[-1] == layout.tokens  # no padding token: every one attends
@@ -45,7 +48,7 @@ def test_warmup_batches_fill_their_bucket_with_sequences_on_the_null_page(llm, e
         assert np.all(np.diff(b.cu_q_lens[:n + 1]) == lens)  # each sequence's keys are its tokens
         # Between them the two batches enter the decode rows' loop (one-token sequences) and a prefill
         # chunk's (a longer one) of every bucket that can hold either.
-        if not every_option:
+        if not (every_option or verify):
             assert lens.min() == 1 and lens.max() == max(1, layout.tokens - layout.seqs + 1)
         elif layout.tokens > 1:
             assert lens.max() >= 2
@@ -72,6 +75,7 @@ def snapshot(engine):
 
 
 def test_warmup_batches_leave_what_requests_own_as_it_was(llm):
+    """Nor does the verify step calibration times (`StepTiming._time_verify_step`)."""
     engine = llm.engine
     prompt = "Once upon a time, Lily and Tom went to the park. Lily and Tom"
     params = [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, temperature=0.8, seed=7,
@@ -80,6 +84,7 @@ def test_warmup_batches_leave_what_requests_own_as_it_was(llm):
     kv, state = snapshot(engine)
     for bucket in engine.runner.layouts:
         engine.runner.run_warmup_batches(bucket)
+        engine.runner.time_idle_step(bucket, verify=True)
     kv_after, state_after = snapshot(engine)
     for a, b in zip(kv + state, kv_after + state_after):
         np.testing.assert_array_equal(a, b)
@@ -92,8 +97,12 @@ def test_calibration_runs_the_warmup_batches_of_short_steps_only(llm, monkeypatc
     engine = llm.engine
     ran, idle = [], {1: 0.01, 8: 0.01, 32: 0.5}  # bucket 32 is made a long step
     monkeypatch.setattr(engine.runner, "run_warmup_batches", ran.append)
-    monkeypatch.setattr(engine.runner, "time_idle_step", idle.get)
+    monkeypatch.setattr(engine.runner, "time_idle_step", lambda bucket, verify=False: idle[bucket] * (1 + verify))
     monkeypatch.setattr(engine, "_timed_buckets", set())
     monkeypatch.setattr(engine.scheduler, "step_cost", copy.deepcopy(engine.scheduler.step_cost))
+    monkeypatch.setattr(engine.speculator, "verify_cost", StepCostModel(engine.speculator.verify_cost.buckets))
     engine.calibrate_step_cost()
     assert step_timing.WARMUP_BATCHES_BELOW_SECONDS < 0.5 and sorted(ran) == [1, 8]
+    # The engine verifies drafts: a verify step of each bucket that holds one was timed for their price.
+    verify = engine.speculator.verify_cost
+    assert verify.base_seconds(8) == pytest.approx(0.02) and verify.base_seconds(32) == pytest.approx(1.0)

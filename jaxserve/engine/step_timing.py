@@ -11,6 +11,10 @@ measures them.
    processes would have to run the timing steps together; its model learns from served steps alone.
 2. Online: each step whose samples the host waited for is measured from when the device could start it
    (its launch, or the end of the step before) to their arrival (`StepClock`).
+3. With speculative decoding, a step that verifies drafts runs its program's draft rows (an LM head and a
+   draw per row): such steps are timed at warm-up (an idle batch of drafts per bucket) and measured online
+   into the speculator's own model (`Speculator.verify_cost`), which prices drafting, and not into the
+   scheduler's, which prices plain steps.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ WARMUP_BATCHES_BELOW_SECONDS = 0.1
 
 
 class StepTiming:
-    """Mixed into `Engine`, whose runner, scheduler, _timed_buckets and _step_clock it uses."""
+    """Mixed into `Engine`, whose runner, scheduler, speculator, _timed_buckets and _step_clock it uses."""
 
     def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
         """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
@@ -51,6 +55,8 @@ class StepTiming:
             if seconds < SHORT_STEP_SECONDS:
                 seconds = min(seconds, self.runner.time_idle_step(bucket))
             cost.observe(bucket, 0, seconds)
+            if self.speculator is not None and bucket > 1:  # a step verifying drafts draws more rows
+                self.speculator.verify_cost.observe(bucket, 0, self._time_verify_step(bucket))
             self._timed_buckets.add(bucket)
         if self.calibration_due:
             return  # the log line comes with the last bucket
@@ -58,6 +64,11 @@ class StepTiming:
         logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
                     ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
                     "off" if target is None else f"{1e3 * target:.1f} ms")
+
+    def _time_verify_step(self, bucket: int) -> float:
+        """A step verifying drafts, idle (on the null page): twice when short, the faster counting."""
+        seconds = self.runner.time_idle_step(bucket, verify=True)
+        return min(seconds, self.runner.time_idle_step(bucket, verify=True)) if seconds < SHORT_STEP_SECONDS else seconds
 
     @property
     def calibration_due(self) -> bool:
@@ -72,4 +83,7 @@ class StepTiming:
             return  # a runner that keeps no times
         seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
         if seconds is not None:
-            self.scheduler.step_cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)
+            # A step verifying drafts runs its program's draft rows: its time is not a plain step's.
+            verifies = self.speculator is not None and any(seq.num_draft_tokens for seq in launched.step.seqs)
+            cost = self.speculator.verify_cost if verifies else self.scheduler.step_cost
+            cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)

@@ -172,7 +172,7 @@ class BatchBuilder:
                 b.prompt_target[cu[i]:cu[i] + len(seq.prompt_targets)] = seq.prompt_targets
         return ints, floats
 
-    def warmup(self, layout: BatchLayout, every_option: bool) -> tuple[np.ndarray, np.ndarray]:
+    def warmup(self, layout: BatchLayout, every_option: bool, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """A batch that only warm-up runs, every sequence in it reading and writing the null page and keeping
         its sampler state in the scratch row, so nothing a request owns is touched. XLA:CPU pays a one-off
         cost the first time a program enters a loop or a branch (5-30 ms a program on stories260K); a batch
@@ -183,10 +183,13 @@ class BatchBuilder:
         - `every_option`: sampled draws with top-k and top-p, penalties, a grammar mask and logprobs, for
           one sequence of every token (a prefill chunk), or, where the programs verify drafts, sequences of
           a draft and the token after it. (Prompt logprobs stay cold: their branch computes every token's
-          logits, which takes seconds for a large bucket.)"""
+          logits, which takes seconds for a large bucket.)
+        `verify` (where the programs verify drafts): greedy sequences of a draft and the token after it, as
+        many as the bucket holds, a verify step's shape for timing it (speculative decoding's cost model)."""
         ints, floats = layout.empty()
         b: StepBatch = layout.packing.views(ints, floats)
-        draws = 2 if every_option and layout.max_drafts and layout.tokens > 1 else 1  # a draft needs 2 tokens
+        # a draft needs 2 tokens
+        draws = 2 if (every_option or verify) and layout.max_drafts and layout.tokens > 1 else 1
         n = 1 if every_option and draws == 1 else min(layout.seqs, layout.tokens // draws)
         lens = np.full(n, draws, np.int32)
         lens[-1] += layout.tokens - lens.sum()
@@ -204,9 +207,9 @@ class BatchBuilder:
         b.row_seq[:n * draws] = rows // draws
         b.row_pos[:n * draws] = rows % draws
         b.row_index[:n * draws] = cu[1:n + 1][rows // draws] - draws + rows % draws
+        if draws == 2:
+            b.row_draft[:n * draws:2] = 1
         if every_option:
-            if draws == 2:
-                b.row_draft[:n * draws:2] = 1
             s, p = b.sampling, b.processing
             s.temperature[:n], s.top_k[:n], s.top_p[:n] = 1.0, 8, 0.9
             p.active[...], p.presence[:n], p.repetition[:n] = 1, 0.5, 1.1

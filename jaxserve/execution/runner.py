@@ -236,12 +236,15 @@ class ModelRunner:
         return LaunchedStep(step, results, logits, bucket=layout.tokens, launched_at=launched_at, layout=layout,
                             ints=ints, floats=floats, prev_samples=prev_samples)
 
-    def time_idle_step(self, bucket: int) -> float:
+    def time_idle_step(self, bucket: int, verify: bool = False) -> float:
         """Seconds one step of `bucket`'s ready program takes, dispatch to samples on the host, with no
-        sequence in it (every token writes to the null page). Only while no request runs."""
+        sequence in it (every token writes to the null page); with `verify`, greedy sequences verifying a
+        draft each, on the null page too (the programs' draft rows: `BatchBuilder.warmup`). Only while no
+        request runs."""
         layout = self.layouts[bucket]
+        batch = self.builder.warmup(layout, every_option=False, verify=True) if verify else layout.empty()
         start = time.perf_counter()
-        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.draws.last)
+        to_host(self.dispatch(None, layout, *batch, None, with_logits=False).results.draws.last)
         seconds = time.perf_counter() - start
         self._prev_samples = self._no_samples
         return seconds

@@ -3,9 +3,10 @@ drafting's payoff (`payoff.py`).
 
 1. The engine loop's period (from the end of one `Engine.step` call to the end of the next) is the device
    time of the step that call waited for plus the host work the device did not overlap. The device part is
-   predicted from the scheduler's step-time model (`scheduling/step_cost.py`: a time per token bucket,
-   measured at warm-up and while serving) and, for a draft model, from its own program's time per bucket
-   (timed at warm-up); what the prediction leaves, the residual, is learnt per
+   predicted from step-time models (`scheduling/step_cost.py`: a time per token bucket, measured at warm-up
+   and while serving), the scheduler's for plain steps and the speculator's own for steps verifying drafts
+   (their program draws a row per draft: an LM head and a sampler row each), and, for a draft model, from
+   its own program's time per bucket (timed at warm-up); what the prediction leaves, the residual, is learnt per
    kind of period and width (running sequences, in powers of two):
    - read first: the call read the step in flight before planning the next (drafting needs the newest
      tokens, and a step after one that verified drafts needs them too), so the device idled while the host
@@ -67,8 +68,10 @@ class _Average:
 
 
 class DraftingCost:
-    def __init__(self, step_cost: StepCostModel, program_seconds: ProgramSeconds = None):
-        self.step_cost = step_cost
+    def __init__(self, step_cost: StepCostModel, verify_cost: StepCostModel | None = None,
+                 program_seconds: ProgramSeconds = None):
+        self.step_cost = step_cost  # plain steps' device time per bucket
+        self.verify_cost = verify_cost  # steps verifying drafts (their program's draft rows run)
         self.program_seconds = program_seconds
         self._residual: dict[tuple[bool, int], _Average] = {}  # (read first?, width class) -> seconds
         self._planning: dict[int, _Average] = {}  # width class -> host seconds from a step's start to launch
@@ -79,23 +82,26 @@ class DraftingCost:
     def calibrated(self) -> bool:
         return self.step_cost.calibrated
 
-    def device_seconds(self, tokens: int, drafting: bool) -> float:
-        """A step of `tokens` tokens (its bucket's program), on the device."""
+    def device_seconds(self, tokens: int, verifies: bool, drafting_program: bool) -> float:
+        """A step of `tokens` tokens (its bucket's program), verifying drafts or not, and the proposer's
+        program after it (drafting or only following), on the device."""
         bucket = self.step_cost.bucket_for(tokens)
-        seconds = self.step_cost.base_seconds(bucket) or 0.0
+        verify = self.verify_cost.base_seconds(bucket) if verifies and self.verify_cost is not None else None
+        seconds = verify or self.step_cost.base_seconds(bucket) or 0.0
         if self.program_seconds is not None:
-            seconds += self.program_seconds(bucket, drafting)
+            seconds += self.program_seconds(bucket, drafting_program)
         return seconds
 
-    def observe(self, seconds: float, read_first: bool, running: int, tokens: int, drafting_program: bool) -> None:
+    def observe(self, seconds: float, read_first: bool, running: int, tokens: int, verifies: bool = False,
+                drafting_program: bool = False) -> None:
         """One engine-loop period: `read_first`, whether the call read the step in flight before planning;
-        the step it waited for held `tokens` tokens (its proposer program drafting or not) while `running`
-        sequences ran."""
+        the step it waited for held `tokens` tokens (`verifies`: some of them drafts; `drafting_program`:
+        the proposer's program after it drafted) while `running` sequences ran."""
         last, self._last_kind = self._last_kind, read_first
         self.periods += 1
         if last != read_first or running == 0:
             return
-        device = self.device_seconds(tokens, drafting_program)
+        device = self.device_seconds(tokens, verifies, drafting_program)
         key = (read_first, width_class(running))
         average = self._residual.get(key)
         if average is None:
@@ -145,11 +151,11 @@ class DraftingCost:
         return max(self.residual(True, running) - self.residual(False, running), 0.0)
 
     def plain_seconds(self, running: int) -> float:
-        return self.device_seconds(running, False) + self.residual(False, running)
+        return self.device_seconds(running, False, False) + self.residual(False, running)
 
     def drafting_seconds(self, running: int, drafts: int) -> float:
         """A step of `running` sequences verifying `drafts` drafts in all (read first)."""
-        return self.device_seconds(running + drafts, drafts > 0) + self.residual(True, running)
+        return self.device_seconds(running + drafts, drafts > 0, True) + self.residual(True, running)
 
     def summary(self, running: int) -> str:
         """The estimates at a width, for the log."""

@@ -60,7 +60,9 @@ class Speculator:
         self.prepare_seconds = 0.0  # host time overlapped with the device (indexing, guessing)
         self.proposals = 0  # propose() calls
         self.acceptance = Acceptance(config.num_speculative_tokens)
-        self.cost = DraftingCost(step_cost, getattr(proposer, "program_seconds", None))
+        # Steps that verify drafts, timed apart from plain ones (the engine feeds it: `step_timing.py`).
+        self.verify_cost = StepCostModel(step_cost.buckets)
+        self.cost = DraftingCost(step_cost, self.verify_cost, getattr(proposer, "program_seconds", None))
         self.payoff = DraftingPayoff(self.cost) if config.adaptive_drafting else None
         self.outcomes: collections.Counter = collections.Counter()  # OUTCOMES key -> engine steps
         self._decides_early = getattr(proposer, "decides_early", False)
@@ -71,8 +73,9 @@ class Speculator:
         self._known: set[int] = set()
         self._verifying: dict[int, tuple[int, int]] = {}  # key -> (known tokens when it drafted, drafts)
         self._step_started = self._launched_at = 0.0
-        self._launched: tuple[int, bool] | None = None  # this call's step: (tokens, drafting program?)
-        self._in_flight: tuple[int, bool] | None = None  # the step the next call waits for
+        # This call's step: (tokens, verifies drafts?, the proposer's program after it drafted?)
+        self._launched: tuple[int, bool, bool] | None = None
+        self._in_flight: tuple[int, bool, bool] | None = None  # the step the next call waits for
         self._period_start: float | None = None
         self._logged_at = time.monotonic()
         self._logged = (0, 0, 0, collections.Counter())
@@ -191,7 +194,9 @@ class Speculator:
         if self._decides_early:
             self._plan(running, None)
         self.proposer.observe(launched, self._planned.drafting)
-        self._launched = (launched.step.num_tokens, self._decides_early and self._planned.drafting)
+        plan = launched.step
+        self._launched = (plan.num_tokens, any(seq.num_draft_tokens for seq in plan.seqs),
+                          self._decides_early and self._planned.drafting)
 
     def prepare(self, running: Sequence[Request]) -> None:
         start = time.perf_counter()
