@@ -68,7 +68,9 @@ class StepTiming:
     def _time_verify_step(self, bucket: int) -> float:
         """A step verifying drafts, idle (on the null page): twice when short, the faster counting."""
         seconds = self.runner.time_idle_step(bucket, verify=True)
-        return min(seconds, self.runner.time_idle_step(bucket, verify=True)) if seconds < SHORT_STEP_SECONDS else seconds
+        if seconds < SHORT_STEP_SECONDS:
+            seconds = min(seconds, self.runner.time_idle_step(bucket, verify=True))
+        return seconds
 
     @property
     def calibration_due(self) -> bool:
