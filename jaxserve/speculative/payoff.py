@@ -9,10 +9,10 @@ the machine, the width of the batch and each request's text, so it is priced eve
    n drafts at the width served.
 2. The drafts are ranked across sequences by gain. Verifying the n best gives (w + their gains) tokens in
    drafting_seconds(n) against w tokens in plain_seconds; the n with the best rate is chosen (0 allowed;
-   within a token bucket more drafts cost the device about nothing, so each bucket's fullest n is a
-   candidate, of drafts at least `MIN_GAIN` likely to stand), and
-   drafting goes ahead only where that rate beats plain steps' by `MARGIN`. A sequence verifies its share
-   of the n best, a prefix of its drafts: K per sequence, from its own acceptance.
+   a verify step's program draws every row its token bucket holds, so more drafts within a bucket cost
+   the device nothing and each bucket's fullest n is a candidate, of drafts at least `MIN_GAIN` likely to
+   stand), and drafting goes ahead only where that rate beats plain steps' by `MARGIN`. A sequence
+   verifies its share of the n best, a prefix of its drafts: K per sequence, from its own acceptance.
 3. Once the step in flight has been read (newest tokens known, drafts found), the choice is made again
    with the drafts found. Reading first is paid for by then, except that a step verifying drafts makes the
    next one read first too, which is charged unless drafting was the plan anyway.
@@ -109,7 +109,7 @@ class DraftingPayoff:
         if not self.cost.measured(running):
             return OFF["measuring"]
         plain = self.cost.plain_seconds(running)
-        counts, gain, seconds = best_drafts(expected, running, self.cost, plain, 0.0)
+        _, gain, seconds = best_drafts(expected, running, self.cost, plain, 0.0)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
             if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
                 return OFF["measuring"]
