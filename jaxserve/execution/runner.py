@@ -43,7 +43,7 @@ from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, StepPlan
 from pallas_kernels.dispatch import AttentionBackend
 from sharding import MeshPlan
 from sharding.loading import zeros
-from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype
+from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype, scales_shape
 from sharding.rules import kv_cache_spec, kv_scales_spec
 
 
@@ -154,7 +154,8 @@ class ModelRunner:
         page_dtype = kv_quant_dtype(self.cache_config.kv_cache_dtype)
         pages = jax.ShapeDtypeStruct(shape, page_dtype or self.dtype, sharding=plan.sharding(kv_cache_spec()))
         if page_dtype is not None:
-            scales = jax.ShapeDtypeStruct(shape[:3], SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
+            scales = jax.ShapeDtypeStruct(scales_shape(*shape[:3]), SCALE_DTYPE,
+                                          sharding=plan.sharding(kv_scales_spec()))
             pages = QuantizedPages(pages, scales)
         return KVCache.abstract(pages, plan.layers_per_stage, folded=self.layer_repeats > 1)
 
