@@ -160,6 +160,14 @@ def _topology_devices(target: Target) -> tuple:
     return tuple(topology.devices)
 
 
+def compile_options(target: Target) -> dict:
+    """XLA options a compile without the chip needs. On a GPU, XLA sizes the scratch of CUB's radix sort (its
+    choice for a large top-k, such as prompt logprobs over a whole vocabulary) by asking the device: without
+    one it fails ("invalid device ordinal"), so those sorts compile to XLA's own here. The programs differ
+    from a GPU's own only in that sort and its scratch bytes."""
+    return {} if target.chip.is_tpu else {"xla_gpu_enable_cub_radix_sort": False}
+
+
 def compile_devices(target: Target) -> list:
     """The target's devices, compile-only: a mesh of them compiles for that slice. Compile under
     `with jax.default_device(devices[0])`: Pallas' GPU lowering looks for a GPU there."""

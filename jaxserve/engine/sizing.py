@@ -42,7 +42,7 @@ from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.kv_quant import kv_quant_dtype
 from sharding import ParallelConfig, make_plan
 from sharding.chips import Chip, Target, parse_target
-from sharding.compile_only import compile_devices
+from sharding.compile_only import compile_devices, compile_options
 
 DEFAULT_UTILIZATION = 0.9  # the capacity figure's fraction when --gpu-memory-utilization is not given
 # JAX's allocator on a GPU takes this fraction of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
@@ -179,7 +179,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     built = build_abstract(args, devices, target.platform, limit)
     buckets = _buckets(built, programs)
     tracker = progress(len(buckets)) if progress else None
-    compiled = compile_programs(_step_programs(built, args), buckets, devices[0], tracker)
+    compiled = compile_programs(_step_programs(built, args), buckets, target, tracker)
     plan_ = built.model.plan
     share = KVShare.of(built.model_config, plan_)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or built.dtype
@@ -224,12 +224,15 @@ def _step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
                               if args.speculative_config else 0)
 
 
-def compile_programs(programs: StepPrograms, buckets: list[int], device, tracker=None) -> list[ProgramMemory]:
-    """Compile the programs of `buckets` side by side (XLA compiles outside the GIL) and read their memory."""
+def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:
+    """Compile the programs of `buckets` for `target` side by side (XLA compiles outside the GIL) and read
+    their memory."""
+    device, options = compile_devices(target)[0], compile_options(target)
+
     def one(bucket: int) -> ProgramMemory:
         start = time.perf_counter()
         with jax.default_device(device):  # Pallas' GPU lowering asks the default device what it is
-            memory = programs.lower(programs.layouts[bucket]).compile().memory_analysis()
+            memory = programs.lower(programs.layouts[bucket]).compile(options).memory_analysis()
         if tracker is not None:
             tracker.update(1)
         return ProgramMemory(bucket, memory.argument_size_in_bytes, memory.output_size_in_bytes,
