@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxserve.config_families import FULL, SLIDING, family_fields, text_config
+from jaxserve.json_files import read_json_object
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 # `--kv-cache-dtype`: "auto" keeps float pages of the model's dtype; int8 / fp8 (e4m3) pages carry a float32
@@ -136,12 +137,23 @@ class ModelConfig:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3, linear")
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """`source`: where `cfg` came from, named by every error (a missing key, a value out of range)."""
         cfg = text_config(cfg)
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"model_type {model_type!r} in {source} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        try:
+            return cls._from_text_config(cfg)
+        except KeyError as e:
+            raise ValueError(f"{source} has no {e.args[0]!r}, which a {model_type} config needs") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _from_text_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg["model_type"]
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # Newer transformers write rope settings under `rope_parameters`; older ones use rope_theta/rope_scaling.
@@ -187,7 +199,7 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} not found: --model must be a Hugging Face model directory")
-        return cls.from_hf_dict(json.loads(config_file.read_text()))
+        return cls.from_hf_dict(read_json_object(config_file), source=str(config_file))
 
     @property
     def q_size(self) -> int:

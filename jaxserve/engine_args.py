@@ -13,7 +13,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jaxserve.builtin_models import RANDOM_DEMO_MODEL, directory_of, is_random_demo, resolve_model
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, SpeculativeConfig, validate_scheduling_options
+from jaxserve.json_files import read_json_object
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -24,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None  # Hugging Face or `jaxserve convert` (Orbax) directory; None = the demo model
+    # A Hugging Face or `jaxserve convert` directory; None: the built-in stories260K (set to its directory here);
+    # "demo-random": the random demo model (jaxserve/builtin_models/__init__.py).
+    model: str | None = None
     served_model_name: str | None = None
     tokenizer: str | None = None  # a directory whose tokenizer (and chat template) replaces the model's
     dtype: str = "auto"
@@ -32,7 +36,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     page_size: int = 16
     num_pages: int | None = None  # default: enough for every slot at full context
-    kv_cache_memory: int | None = None  # bytes for the KV cache (instead of num_pages)
+    kv_cache_memory: int | None = None  # bytes of KV cache on each device (instead of num_pages)
     gpu_memory_utilization: float | None = None  # fraction of device memory free after the weights
     enable_prefix_caching: bool = True  # reuse cached KV pages of shared prompt prefixes
     kv_cache_dtype: str = "auto"  # KV pages: "auto" (the model's dtype), "int8" or "fp8" (e4m3), scaled per token
@@ -56,7 +60,7 @@ class EngineArgs:
     cpu_matmul_library: str = "auto"  # "ynnpack" | "eigen": what runs a CPU step's dots (execution/cpu_matmuls.py)
     max_logprobs: int = 20  # top logprobs a request may ask for (per sampled and per prompt token)
     max_logit_bias: int = 128  # logit_bias + allowed_token_ids entries a request may carry
-    demo_weights_seed: int = 0  # seeds the built-in demo model's random weights
+    demo_weights_seed: int = 0  # seeds the random demo model's weights (model="demo-random")
     tensor_parallel_size: int = 1  # devices per tensor-parallel group (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # pipeline stages (contiguous blocks of layers)
     enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel device, not slices of all
@@ -77,16 +81,18 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
+        self.model = resolve_model(self.model)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         parse_pooler_overrides(self.pooler_config)  # a bad --pooler-config fails before the model loads
-        if self.model is not None and not Path(self.model).is_dir():
-            raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder)")
+        if self.model_dir is not None and not Path(self.model).is_dir():
+            raise ValueError(f"model {self.model!r} is not a directory (a Hugging Face model folder), nor "
+                             f"the random demo model's name {RANDOM_DEMO_MODEL!r}")
         if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
             raise ValueError(f"tokenizer {self.tokenizer!r} is not a directory (one with a tokenizer.json)")
-        if self.tokenizer is not None and self.model is None:
-            raise ValueError("tokenizer needs a model: the built-in demo model has its own byte-level tokenizer")
+        if self.tokenizer is not None and self.random_demo:
+            raise ValueError("tokenizer needs a model: the random demo model has its own byte-level tokenizer")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -115,6 +121,16 @@ class EngineArgs:
             if self.pipeline_parallel_size > 1 or (self.num_processes or 1) > 1:
                 raise ValueError("LoRA adapters are served on one process without pipeline parallelism for now "
                                  "(tensor parallelism works)")
+
+    @property
+    def random_demo(self) -> bool:
+        """Whether this is the random demo model (built in memory, no files)."""
+        return is_random_demo(self.model)
+
+    @property
+    def model_dir(self) -> str | None:
+        """The model's directory; None for the random demo model, which has none."""
+        return directory_of(self.model)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -159,7 +175,7 @@ def sampling_defaults(model_dir: str | None, mode: str = "auto") -> dict:
     path = Path(model_dir) / "generation_config.json" if model_dir else None
     if mode == "vllm" or path is None or not path.is_file():
         return {}
-    config = json.loads(path.read_text())
+    config = read_json_object(path)
     defaults = {ours: config[theirs] for theirs, ours in _GENERATION_KEYS.items() if config.get(theirs) is not None}
     if defaults:
         logger.info("sampling defaults from %s: %s", path, defaults)

@@ -1,4 +1,5 @@
-"""Errors the engine raises for bad requests (the server turns them into 400s naming the parameter)."""
+"""Errors the engine raises: for bad requests (the server turns them into 400s naming the parameter), and
+when it cannot start."""
 
 
 class InvalidParameter(ValueError):
@@ -11,3 +12,14 @@ class InvalidParameter(ValueError):
 
 class WrongRunner(ValueError):
     """The request needs the other runner: embeddings from a generating model, or text from a pooling one."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start for a reason the device or the compiler gave (out of memory, a failed
+    compilation); the message says which options to change (`engine/startup.py`). A bad file or option
+    is a ValueError / OSError naming it instead."""
+
+
+# The errors whose message alone tells a user what to change (a file, an option, a missing package): the
+# command line prints just that line, and a server that fails to start with one logs no traceback for it.
+ACTIONABLE_ERRORS = (ValueError, OSError, ImportError, EngineStartError)

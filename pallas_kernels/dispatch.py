@@ -38,6 +38,25 @@ BLOCKED_MULTIPLY_SUM = AttentionBackend("blocked (jnp, decode products as multip
                                                           decode_products="multiply_sum"))
 
 
+# fp8 (e4m3) KV pages on a GPU: the Triton kernel converts the codes in registers, which Triton lowers for
+# compute capability 8.9 and up (Ada, Hopper, Blackwell); compiled for an A100 (8.0) it fails with "cannot
+# cast from float8_e4m3fn" (tests/test_compiled_kernels.py compiles it).
+FP8_PAGES_MIN_COMPUTE_CAPABILITY = (8, 9)
+
+
+def check_page_dtype(kv_cache_dtype: str, device) -> None:
+    """Refuse, naming the option, KV pages the attention kernels cannot read on `device` (at start, not at
+    the first request)."""
+    capability = getattr(device, "compute_capability", None)
+    if kv_cache_dtype != "fp8" or device.platform != "gpu" or capability is None:
+        return
+    if tuple(int(x) for x in str(capability).split(".")) < FP8_PAGES_MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, FP8_PAGES_MIN_COMPUTE_CAPABILITY))
+        raise ValueError(f"--kv-cache-dtype fp8: the {device.device_kind} (compute capability {capability}) cannot "
+                         f"run the GPU attention kernel on fp8 pages (it needs {need} or newer: Ada, Hopper, "
+                         f"Blackwell); use --kv-cache-dtype int8 (the same bytes a token)")
+
+
 def select_attention_backend(requested: str = "auto", platform: str | None = None) -> AttentionBackend:
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {requested!r}")

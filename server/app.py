@@ -39,6 +39,7 @@ from starlette.routing import Route
 from jaxserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, TokenTimer
 from jaxserve.outputs import RequestOutput
 from jaxserve import __version__
+from jaxserve.builtin_models import describe as describe_model
 from jaxserve.sampling.params import InvalidParameter, SamplingParams
 from jaxserve.text.chat_template import ChatTemplateError
 from server import playground
@@ -333,7 +334,7 @@ class OpenAIServer:
         except APIError as e:
             return error_response(e)
         engine = self.engine
-        root = engine.args.model or "built-in demo model (random weights, byte-level tokenizer)"
+        root = engine.args.model_dir or describe_model(engine.args.model)
         limit = engine.scheduler_config.max_model_len
         adapters = engine.lora.names() if engine.lora is not None else []
         return JSONResponse({"object": "list", "data": [

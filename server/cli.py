@@ -22,7 +22,7 @@ from server.options import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES, UV
 def add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     srv.add_argument("model_tag", nargs="?", metavar="MODEL",
-                     help="model directory (the same as --model; default: built-in demo model)")
+                     help="model directory (the same as --model; default: the built-in stories260K)")
     add_engine_args(srv)
     add_server_args(srv)
     srv.set_defaults(func=_serve)
@@ -115,7 +115,7 @@ def server_options_from(ns: argparse.Namespace, args: EngineArgs) -> ServerOptio
         allow_runtime_lora_updating=ns.allow_runtime_lora_updating or _env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
         root_path=ns.root_path, ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile,
         uvicorn_log_level=ns.uvicorn_log_level, log_requests=not ns.disable_log_requests,
-        sampling_defaults=sampling_defaults(args.model, ns.generation_config))
+        sampling_defaults=sampling_defaults(args.model_dir, ns.generation_config))
 
 
 def _env_flag(name: str) -> bool:

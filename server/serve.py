@@ -1,12 +1,16 @@
 """Run the server: uvicorn around the app, with this project's shutdown and failure policy.
 
-1. `serve` turns on JAX's persistent compilation cache, starts the engine thread (weights and warm-up
-   load in the background while `/health` says 503) and runs uvicorn until told to stop.
+1. `serve` binds the port (`listen.py`: a port in use is refused before anything loads), turns on JAX's
+   persistent compilation cache, starts the engine thread (weights and warm-up load in the background
+   while `/health` says 503) and runs uvicorn on the bound sockets until told to stop.
 2. SIGTERM or SIGINT: stop accepting connections and new requests (503), let running requests finish
    for `shutdown_timeout` seconds, then abort the rest, so every stream still ends with a last chunk
    (finish_reason "abort") and `data: [DONE]`; exit 0. A second SIGINT forces an immediate exit.
 3. If the engine fails, every waiting request gets an error, `/health` turns 503, and the process exits
    with status 1, so a supervisor (systemd, Kubernetes) restarts it, as vLLM does.
+4. If it fails before it is ready (a bad config, tokenizer or weights file, out of memory at warm-up), the
+   server stops however far uvicorn has got, even before it runs, and `serve` raises the reason (the
+   file or option to change), which the command line prints as its last line.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 
 from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.pooling.config import resolve_runner
 from server.app import build_app
 from server.http_protocol import uvicorn_config
+from server.listen import listen
 from server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
@@ -77,32 +83,49 @@ def _uvicorn_server_class():
                 logger.warning("shutdown grace period over: aborted %d running requests", aborted)
 
         def engine_failed(self) -> None:
-            """From the engine thread: its step raised; exit non-zero so a supervisor restarts us."""
+            """From the engine thread, at any time, even before `run`: exit non-zero (a supervisor restarts
+            us). `should_exit` is state, not an event: uvicorn reads it once its start-up is done and on
+            every tick of its main loop (10 a second), so it is seen however early it is set. (A call
+            posted to the server's event loop was lost when the engine failed before the loop existed.)"""
             self.exit_code = 1
-            if self.loop is not None:
-                self.loop.call_soon_threadsafe(setattr, self, "should_exit", True)
+            self.should_exit = True
 
     return Server
 
 
 def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilation_cache_dir: str | None = None,
           options: ServerOptions = ServerOptions()) -> int:
-    """Serve until SIGTERM/SIGINT (returns 0) or an engine failure (returns 1)."""
-    enable_compilation_cache(compilation_cache_dir)
+    """Serve until SIGTERM/SIGINT (returns 0) or an engine failure while serving (returns 1). Raises when the
+    server cannot start: `ListenError` when it cannot listen, the engine's start error (see
+    `AsyncEngine.start_error`) when the engine fails before it is ready."""
+    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model_dir) == "pooling" else
+              "/v1/completions, /v1/chat/completions, /v1/responses")
     async_engine = AsyncEngine(args, background_warmup=options.background_warmup)
     app = build_app(async_engine, options)
     config = uvicorn_config(app, options, host=host, port=port,
                             timeout_graceful_shutdown=options.shutdown_timeout + FLUSH_SECONDS)
-    server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
-    async_engine.on_failure = server.engine_failed
-    async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
-    scheme = "https" if options.ssl_certfile else "http"
-    routes = ("/v1/embeddings" if resolve_runner(args.runner, args.model) == "pooling" else
-              "/v1/completions, /v1/chat/completions, /v1/responses")
-    logger.info("serving on %s://%s:%d%s (OpenAI-compatible: %s)%s", scheme, host, port, options.root_path, routes,
-                "; API key required" if options.api_key else "")
     try:
-        server.run()
+        config.load()  # reads the TLS files: a bad one is refused before the engine starts loading
+    except ssl.SSLError as e:
+        raise ValueError(f"--ssl-certfile {options.ssl_certfile} / --ssl-keyfile {options.ssl_keyfile}: not a "
+                         f"PEM certificate and its private key ({e.reason or e})") from None
+    sockets = listen(host, port, config.backlog)
+    try:
+        enable_compilation_cache(compilation_cache_dir)
+        server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
+        async_engine.on_failure = server.engine_failed  # before the thread starts: no failure goes unheard
+        async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
+        logger.info("serving on %s://%s:%d%s (OpenAI-compatible: %s)%s", "https" if options.ssl_certfile else "http",
+                    host, sockets[0].getsockname()[1], options.root_path, routes,
+                    "; API key required" if options.api_key else "")
+        server.run(sockets=sockets)
     finally:
         async_engine.shutdown()
+        for sock in sockets:
+            sock.close()
+    if async_engine.start_error is not None:
+        raise async_engine.start_error
+    if server.exit_code:
+        logger.error("exiting with status %d: the engine failed while serving (%s)", server.exit_code,
+                     async_engine.error)
     return server.exit_code

@@ -108,10 +108,13 @@ def stack_stages(pieces: Sequence[jax.Array | None], plan: MeshPlan, spec) -> ja
     """Per-stage arrays of one layer slot (None = padding) -> one array [pp * d0, ...] on the whole mesh.
 
     `pieces[s]` lives on stage s's sub-mesh; `spec` is the runtime PartitionSpec (pipeline first on dim 0).
+    Pieces may be `jax.ShapeDtypeStruct`s (an abstract model): the answer is then one too.
     """
     template = next(p for p in pieces if p is not None)
     shape = (plan.pp * template.shape[0],) + tuple(template.shape[1:])
     sharding = NamedSharding(plan.mesh, spec)
+    if isinstance(template, jax.ShapeDtypeStruct):  # an abstract model (compile-only): shapes, no buffers
+        return jax.ShapeDtypeStruct(shape, template.dtype, sharding=sharding)
     shard_shape = sharding.shard_shape(shape)
     local = {d.id for d in jax.local_devices()}
     shards = []

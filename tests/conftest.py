@@ -5,6 +5,10 @@ from pathlib import Path
 
 # Tests run on the CPU; asking for it up front keeps JAX from probing for accelerators.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The TPU and GPU compilers of the compile-only tests: where `./dev` installs them, when pytest runs alone.
+_COMPILERS = Path(__file__).resolve().parents[1] / ".venv" / "compilers"
+if _COMPILERS.is_dir():
+    os.environ.setdefault("JAXSERVE_COMPILERS", str(_COMPILERS))
 
 import pytest
 

@@ -13,7 +13,7 @@ jax.monitoring.register_event_listener(lambda event, **_: events.update([event.r
 from server.serve import enable_compilation_cache
 enable_compilation_cache(sys.argv[1])
 from jaxserve import Engine, EngineArgs, SamplingParams
-engine = Engine(EngineArgs(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, token_buckets=(2, 16)))
+engine = Engine(EngineArgs("demo-random", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16, token_buckets=(2, 16)))
 engine.warmup()
 report = engine.warmup_report
 engine.add_request(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=8))  # prefill chunks + decodes

@@ -109,7 +109,7 @@ def test_an_aborted_embedding_frees_everything(embed_llm):
 def test_generate_runner_refuses_embeddings():
     from jaxserve.engine.engine import Engine
     from jaxserve.engine_args import EngineArgs
-    engine = Engine(EngineArgs(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32))  # demo model, no warm-up
+    engine = Engine(EngineArgs(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32))  # the default, no warm-up
     assert engine.runner_type == "generate"
     with pytest.raises(WrongRunner, match="--runner pooling"):
         engine.add_pooling_request([3, 4, 5])

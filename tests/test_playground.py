@@ -1,7 +1,8 @@
 """The web playground: its files and headers over plain HTTP, then the page itself in headless Chromium
-against a stories260K server that needs an API key.
+against a server of the built-in default model (stories260K, with its own chat template) that needs an API key.
 
-The browser tests type into the page as a person would: an answer streams in (its text grows while it is
+The browser tests type into the page as a person would: the empty page's suggested first prompt gets the
+model's story, an answer streams in (its text grows while it is
 being written), Stop ends one mid-way (and the server frees its request), a greedy seeded answer is the
 same twice, a JSON Schema constrains the answer, text is shown as text, the page works behind a path
 prefix and on a phone-sized screen. Every request the page makes is recorded: all must go to the test
@@ -39,7 +40,6 @@ from tests.server_harness import running_server
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "playground-test-key"
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # stories260K has no chat template
 CHROMIUM = os.environ.get("JAXSERVE_CHROMIUM", "/usr/bin/chromium")
 # Debian's Chromium as root, kept off the network: without these it calls Google's services at start.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -153,9 +153,9 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, browser):  # after the browser: a machine without one starts no server
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32))
-    with running_server(args, options=ServerOptions(api_key=KEY, chat_template=TEMPLATE)) as running:
+def server(browser):  # after the browser: a machine without one starts no server
+    args = EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(4, 32))  # the built-in model
+    with running_server(args, options=ServerOptions(api_key=KEY)) as running:
         yield running
 
 
@@ -221,6 +221,27 @@ def _screenshot(page, request, tmp_path_factory, name: str) -> Path:
     if os.environ.get("JAXSERVE_UPDATE_SCREENSHOT") == "1" and name == "playground.png":
         shutil.copyfile(path, ROOT / "docs" / "images" / "playground.png")
     return path
+
+
+def test_the_first_screen_suggests_a_prompt_that_tells_the_story(session, story_text):
+    """On an empty page each mode suggests a first prompt; a click sends it. Greedy, the built-in model
+    answers the chat suggestion with its known story, and continues the completion one into the same story."""
+    session.open()
+    hint = session.page.locator("#empty-hint")
+    assert hint.is_visible() and session.page.is_hidden("#empty-hint .completion-only")
+    # The story's tokens after BOS: 61 in chat (the template leaves the whole story to the model), 57 after
+    # the completion prompt's "Once upon a time".
+    session.settings(temperature=0, max_tokens=61)
+    hint.get_by_role("button", name="Tell me a story").click()
+    assert session.wait_answered() == story_text
+    assert session.posted("/v1/chat/completions")[-1]["messages"] == [{"role": "user", "content": "Tell me a story"}]
+    assert hint.is_hidden()
+    session.page.check("input[name=mode][value=completion]")  # its own conversation: empty, with its suggestion
+    assert session.page.is_hidden("#empty-hint .chat-only")
+    session.settings(max_tokens=57)
+    hint.get_by_role("button", name="Once upon a time").click()
+    assert session.wait_answered() == story_text
+    assert session.posted("/v1/completions")[-1]["prompt"] == "Once upon a time"
 
 
 def test_chat_streams_tokens_as_they_come(session, request, tmp_path_factory):

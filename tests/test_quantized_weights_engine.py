@@ -3,7 +3,8 @@
 1. Each pre-quantized fixture (tests/fixtures/quantized, README there) served by `LLM` reproduces its golden
    logits within the format's tolerance: the dequantized float32 model's logits within 1e-4 where the
    weights run weight-only (int4, and fp8 on a CPU), and the activation-quantized logits within the
-   README's RMS / max bands where they run dynamic int8 (W8A8 on a CPU).
+   README's RMS / max bands, and nearer than the weight-only ones, where they run dynamic int8 (W8A8 on a
+   CPU).
    Converted (`jaxserve convert`, mapped and Orbax) they serve the same logits; an int8 conversion of
    stories260K is read in place and serves what quantizing at load serves.
 2. A format jaxserve cannot read is refused by name at start; `--quantization` that disagrees with the
@@ -94,6 +95,12 @@ def _check_golden(model_dir: Path, name, key, strategy, max_tol, rms_tol):
     logits = bench.step([(seq, ids)]).logits[0]
     diff = np.abs(logits - golden[key])
     assert diff.max() <= max_tol, (name, float(diff.max()))
+    if key != "logits":
+        # The goldens with and without activation quantization are 0.217 apart (RMS 0.039), inside the max
+        # tolerance: the served logits must be nearer the one whose activations were quantized (measured on
+        # ct_int8_w8a8: RMS 0.011 from it, 0.039 from the weight-only one).
+        near, far = (float(np.sqrt(((logits - golden[k]) ** 2).mean())) for k in (key, "logits"))
+        assert near < far, f"{name}: RMS {near:.4f} from {key} but {far:.4f} from the weight-only logits"
     if rms_tol is not None:
         assert np.sqrt((diff ** 2).mean()) <= rms_tol
     else:  # the dequantized model's greedy tokens, every one

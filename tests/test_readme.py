@@ -1,4 +1,5 @@
-"""The README's first command starts the server on the built-in default, and its curl example works."""
+"""The README's first command starts the server on the built-in default (stories260K), and its curl example
+answers with the story the README shows, word for word."""
 
 import json
 import os
@@ -14,10 +15,13 @@ from tests.server_harness import free_port, wait_healthy
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_serve_command_and_curl_example(tmp_path):
+def test_readme_serve_command_and_curl_example(tmp_path, story_text):
     readme = (ROOT / "README.md").read_text()
     assert "./dev serve" in readme and "./dev test" in readme
-    curl = next(line for line in readme.splitlines() if line.startswith("curl ") and "/v1/completions" in line)
+    lines = readme.splitlines()
+    curl = next(line for line in lines if line.startswith("curl ") and "/v1/completions" in line)
+    # The answer the README shows: the first JSON line after the curl.
+    shown = json.loads(next(line for line in lines[lines.index(curl):] if line.startswith('{"id":')))
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([str(ROOT / "dev"), "serve", "--port", str(port), "--compilation-cache-dir",
@@ -31,13 +35,14 @@ def test_readme_serve_command_and_curl_example(tmp_path):
         result = subprocess.run(["bash", "-c", curl.replace(":8000", f":{port}")], capture_output=True,
                                 text=True, timeout=60)
         body = json.loads(result.stdout)
-        assert body["model"] == "jaxserve-demo-random"
-        # The README's request samples (no temperature, no seed) from a random model: it may draw the end-of-text
-        # token before its 8 tokens, a "stop" (one CI run of 2026-12-03 did).
-        finish, tokens = body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
-        assert (finish, tokens) == ("length", 8) or (finish == "stop" and 1 <= tokens <= 8), body
+        assert body["model"] == "jaxserve-builtin-stories260K"
+        # Greedy: the served answer is the README's, all but its id and creation time, and it is the first
+        # paragraph of stories260K's known story.
+        assert {k: v for k, v in body.items() if k not in ("id", "created")} == \
+            {k: v for k, v in shown.items() if k not in ("id", "created")}
+        assert "Once upon a time" + body["choices"][0]["text"] == story_text
         startup = _log_once_it_says(log, r"compiled \d+ step programs .* from the persistent compilation cache")
-        assert "built-in demo model" in startup
+        assert "serving the built-in default model, stories260K" in startup
         assert re.search(r"float32 weights, attention kernels: blocked", startup)
         # Ready after the first step program; the rest compiled in the background (the line above).
         assert re.search(r"ready in [0-9.]+s: weights .*compiling in the background", startup)
@@ -46,7 +51,9 @@ def test_readme_serve_command_and_curl_example(tmp_path):
         proc.wait(30)
 
 
-def _log_once_it_says(log, pattern: str, timeout: float = 180) -> str:
+def _log_once_it_says(log, pattern: str, timeout: float = 300) -> str:
+    # 300 s: the twelve programs of a fresh cache compile in about 90 s here, but under a load of 7-8 on
+    # this 2-core machine one run failed after 212 s, as a 180 s wait for this line would.
     deadline = time.monotonic() + timeout
     while True:
         log.seek(0)

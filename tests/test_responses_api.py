@@ -199,7 +199,13 @@ def test_fields_that_work(client, server):
     assert "".join(lp.token for lp in logprobs) == response.output_text
     again = client.responses.create(model=MODEL, input="Once", max_output_tokens=5, temperature=0.8, top_p=0.9,
                                     extra_body={"seed": 7, "top_k": 20})
-    assert again.output_text == response.output_text  # seed and top_k reached the sampler
+    assert again.output_text == response.output_text  # the seed reached the sampler
+    # top_k reached it too: keeping only the most likely token, sampling at temperature 0.8 is greedy.
+    greedy = client.responses.create(model=MODEL, input="Once", max_output_tokens=12, temperature=0).output_text
+    for seed in (1, 2, 3):
+        top_1 = client.responses.create(model=MODEL, input="Once", max_output_tokens=12, temperature=0.8,
+                                        extra_body={"seed": seed, "top_k": 1})
+        assert top_1.output_text == greedy, (seed, top_1.output_text, greedy)
 
 
 @pytest.mark.parametrize("field, value, param", [

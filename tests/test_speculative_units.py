@@ -14,7 +14,8 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.execution.batch import BatchBuilder, BatchLayout
 from jaxserve.execution.draws import draw
 from jaxserve.sampling.logits import SamplerState
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.sampling.params import SamplingParams, seed_words
+from jaxserve.sampling.sampler import SamplingArrays, sample
 from jaxserve.scheduling.request import Request
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
@@ -130,15 +131,39 @@ def test_a_step_without_drafts_draws_one_row_per_sequence():
     np.testing.assert_array_equal(draws.last, [3, 4, 5])
 
 
-def test_a_sampled_draw_is_the_same_with_and_without_drafts():
-    """The draw at each position uses that position's key: verifying drafts never changes a seeded token."""
-    params = SamplingParams(temperature=1.0, seed=3)
-    rng = np.random.default_rng(0)
-    logits = rng.normal(size=(6, VOCAB)).astype(np.float32)
+def draws_at_own_keys(logits: np.ndarray, seeds: list[int], indexes: list[int]) -> list[int]:
+    """What `sample()` draws from each row of logits at temperature 1 with the key of the token that row
+    draws: its sequence's seed folded with the token's index among the outputs."""
+    rows = len(logits)
+    arrays = SamplingArrays(temperature=jnp.ones(rows), top_k=jnp.zeros(rows, jnp.int32), top_p=jnp.ones(rows),
+                            min_p=jnp.zeros(rows), seed=jnp.asarray([seed_words(s) for s in seeds], jnp.uint32),
+                            step=jnp.asarray(indexes, jnp.int32))
+    return np.asarray(jax.jit(sample)(jnp.asarray(logits), arrays)).tolist()
+
+
+def test_sampled_drafts_stand_exactly_while_the_draws_at_their_own_keys_reproduce_them():
+    """Each draw row is drawn as a step without drafts would draw that token, with that token's own key, and a
+    sampled draft stands only when that draw reproduces it: never because it is the target's favourite."""
+    params = SamplingParams(temperature=1.0)
+    # Spread rows (each most likely token has p < 0.25), from an rng seed that gives the draws below.
+    logits = np.random.default_rng(6).normal(size=(6, VOCAB)).astype(np.float32)
+    # Rows: seq 0 (seed 0) reads its token and two drafts, seq 1 (seed 1) none, seq 2 (seed 2) one.
+    drawn = draws_at_own_keys(logits, seeds=[0, 0, 0, 1, 2, 2], indexes=[0, 1, 2, 0, 0, 1])
+    want = [drawn[0:3], drawn[3:4], drawn[4:6]]  # per sequence
+    favourite = logits.argmax(-1)
+    # Seq 0: its first draft is its first draw (it stands); its second is the target's most likely token,
+    # which its second draw is not (it is rejected, and that draw stands in its place).
+    # Seq 2: its draft is its first draw while not the most likely token (it stands all the same).
+    assert favourite[1] != want[0][1] and favourite[4] != want[2][0]
+    drafts = [[want[0][0], int(favourite[1])], [], [want[2][0]]]
+    spec, _ = run_draw(spec_step(drafts, params), logits)
+    np.testing.assert_array_equal(spec.accepted, [2, 1, 2])
+    for row, (accepted, draws) in enumerate(zip([2, 1, 2], want)):
+        np.testing.assert_array_equal(spec.tokens[row, :accepted], draws[:accepted], err_msg=f"sequence {row}")
+    np.testing.assert_array_equal(spec.last, [want[0][1], want[1][0], want[2][1]])
+    # Without drafts, each sequence's one draw reads the same logits with the same key.
     plain, _ = run_draw(spec_step([[], [], []], params), logits[[0, 3, 4]])
-    spec, _ = run_draw(spec_step([[7, 8], [], [9]], params), logits)
-    # Each sequence's first draw reads the same logits and key either way.
-    np.testing.assert_array_equal(spec.tokens[:, 0], plain.tokens[:, 0])
+    np.testing.assert_array_equal(plain.tokens[:, 0], [want[0][0], want[1][0], want[2][0]])
 
 
 def test_acceptance_is_counted_per_draft_position():

@@ -1,6 +1,6 @@
 """Structured outputs in the engine: grammar masks inside the fixed-shape step.
 
-Neither test model can write JSON on its own (the demo model's weights are random, stories260K only knows
+Neither test model can write JSON on its own (`demo-random`'s weights are random, stories260K only knows
 children's stories), so every valid output here is the mask's doing; each is checked by an independent
 parser (`json`, `jsonschema`, `re`)."""
 
@@ -53,7 +53,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def demo_llm():
-    return LLM(max_num_seqs=16, max_model_len=256, max_num_batched_tokens=64, token_buckets=(16, 64))
+    return LLM("demo-random", max_num_seqs=16, max_model_len=256, max_num_batched_tokens=64, token_buckets=(16, 64))
 
 
 @pytest.fixture(scope="module")

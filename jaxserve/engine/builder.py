@@ -6,9 +6,10 @@
    config; a pooling model loads no LM head); `_finish_build` resolves the rest: context length, token budget and buckets
    of a step, attention backend, and — once the weights are on the device — the KV page pool
    (`kv_budget`: pages, bytes, or a fraction of the free device memory).
-2. Without a model path it builds the built-in demo model: a small Llama with deterministic random
-   weights and a byte-level tokenizer, so the server starts on a fresh machine with no files. Its name
-   says what it is; its text is noise.
+2. Without a model it loads the built-in stories260K from inside the package like any other directory
+   (`jaxserve/builtin_models/`); `demo-random` builds the random demo model instead: a small Llama with
+   deterministic random weights and a byte-level tokenizer, whose text is noise. Each is served under a
+   name that says what it is.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxserve.builtin_models import describe as describe_model
+from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
@@ -28,26 +30,26 @@ from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
 from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
-from jaxserve.execution.kv_budget import resolve_kv_budget
+from jaxserve.execution.kv_budget import KVShare, resolve_kv_budget
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import checkpoint_format, open_checkpoint
-from jaxserve.loader.load import load_weights
+from jaxserve.loader.load import abstract_weights, load_weights
 from jaxserve.loader.placement import (ModuleReader, ShardedModel, experts_can_split, feature_major, scan_layers,
                                       split_experts)
-from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
+from jaxserve.loader.quantized import (checkpoint_quantization, quantized_config, quantized_loading,
+                                       stored_quantization)
 from jaxserve.loader.turned import UnturningReader, stored_turned
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
+from jaxserve.quantization.weights import device_bytes
 from jaxserve.text.tokenizer import Tokenizer
-from pallas_kernels.dispatch import AttentionBackend, for_eigen_dots, select_attention_backend
+from pallas_kernels.dispatch import AttentionBackend, check_page_dtype, for_eigen_dots, select_attention_backend
 from pallas_kernels.kv_quant import kv_quant_dtype
 from sharding import make_plan
 from sharding.multihost import initialize as initialize_distributed
 
 logger = logging.getLogger(__name__)
-
-DEMO_MODEL_NAME = "jaxserve-demo-random"
 
 
 def demo_model_config() -> ModelConfig:
@@ -82,40 +84,47 @@ def default_token_budget(max_num_seqs: int) -> int:
     return max(max_num_seqs, 2048)
 
 
+def _runner(args: EngineArgs, config: ModelConfig):
+    """(runner, pooler config, config, args) for `--runner`: a pooling runner takes the model's
+    sentence-transformers pooling, then --pooler-config, and its step stops at the final norm: an untied LM
+    head is never read, so the config says there is none."""
+    runner = resolve_runner(args.runner, args.model_dir)
+    if runner != "pooling":
+        return runner, None, config, args
+    config = dataclasses.replace(config, has_lm_head=False)
+    pooler = dataclasses.replace(PoolerConfig.for_model(args.model_dir, args.pooler_config),
+                                 hidden_size=config.hidden_size)
+    if args.max_model_len is None and pooler.max_seq_length:  # the context it was trained to embed
+        args = dataclasses.replace(args, max_model_len=min(pooler.max_seq_length, config.max_position_embeddings))
+    return runner, pooler, config, args
+
+
 def build_model(args: EngineArgs) -> BuiltModel:
-    demo = args.model is None
-    config = demo_model_config() if demo else ModelConfig.from_pretrained(args.model)
-    runner = resolve_runner(args.runner, args.model)
-    pooler = None
-    if runner == "pooling":  # the model's sentence-transformers pooling, then --pooler-config
-        # The step stops at the final norm: an untied LM head is never read, so it is not loaded.
-        config = dataclasses.replace(config, has_lm_head=False)
-        pooler = dataclasses.replace(PoolerConfig.for_model(args.model, args.pooler_config),
-                                     hidden_size=config.hidden_size)
-        if args.max_model_len is None and pooler.max_seq_length:  # the context it was trained to embed
-            args = dataclasses.replace(args, max_model_len=min(pooler.max_seq_length,
-                                                               config.max_position_embeddings))
+    demo, model_dir = args.random_demo, args.model_dir  # model_dir: None for the random demo
+    config = demo_model_config() if demo else ModelConfig.from_pretrained(model_dir)
+    runner, pooler, config, args = _runner(args, config)
     plan = _mesh_plan(args, config)
     start = time.perf_counter()
     # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
     dtype = resolve_dtype("float32" if demo and args.dtype == "auto" else args.dtype, config)
     if demo:
-        logger.warning("no --model given: serving the built-in demo model %r (random weights, byte-level "
-                       "tokenizer; its output is noise)", DEMO_MODEL_NAME)
+        logger.warning("serving the %s", describe_model(args.model))
+    elif is_default(args.model):
+        logger.info("serving the %s", describe_model(args.model))
     # The tokenizer first: a wrong one is refused before the weights are read.
     tokenizer = (Tokenizer.byte_level() if demo else
-                 Tokenizer.from_pretrained(args.tokenizer or args.model, model_dir=args.model))
+                 Tokenizer.from_pretrained(args.tokenizer or model_dir, model_dir=model_dir))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
-    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(args.model)
-    stored = stored_quantization(args.model)
+    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(model_dir)
+    stored = stored_quantization(model_dir)
     # A checkpoint stored feature-major is read as it lies where the products run so, else turned back; its
     # float kernels turned back first when they are quantized at load (the quantizer reads [in, out] kernels).
-    layout_stored = stored_turned(args.model)
+    layout_stored = stored_turned(model_dir)
     if layout_stored and args.quantization is not None and stored is None:
         reader, layout_stored = UnturningReader(reader, config, dtype), False
-    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(args.model),
+    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(model_dir),
                                        args.quantization_strategy, args.quantize_lm_head, stored,
                                        args.quantize_embedding)
     for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
@@ -125,8 +134,7 @@ def build_model(args: EngineArgs) -> BuiltModel:
     if layout_stored and not turned:
         reader = UnturningReader(reader, config, dtype)
     model = load_weights(reader, config, dtype, plan, feature_major=turned)
-    name = DEMO_MODEL_NAME if demo else Path(args.model).resolve().name
-    built = _finish_build(args, name, model, config, tokenizer, dtype, matmuls)
+    built = _finish_build(args, served_name(args.model), model, config, tokenizer, dtype, matmuls)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 
@@ -143,10 +151,39 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
     return _finish_build(args, name, model, config, tokenizer, dtype, _cpu_matmuls(args, config, dtype, plan))
 
 
+def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) -> BuiltModel:
+    """The engine's model as shapes on a mesh of `devices` (compile-only ones, for `jaxserve plan`), from
+    `args.model`'s config.json alone: no weights or tokenizer read. Everything else is resolved as serving
+    on such devices resolves it (buckets, layer loop, attention kernels, quantization), and the KV pool is
+    sized by the same code, from `device_limit` (the bytes JAX's allocator may use on one device) less
+    the weights' share of a device."""
+    if args.model_dir is None:
+        raise ValueError(f"{args.model!r} has no config.json to plan from: give a model directory")
+    config = ModelConfig.from_pretrained(args.model_dir)
+    runner, pooler, config, args = _runner(args, config)
+    plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
+                     num_kv_heads=config.num_kv_heads, devices=devices)
+    dtype = resolve_dtype(args.dtype, config, platform)
+    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
+                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
+                              args.quantize_embedding)
+    model = abstract_weights(config, dtype, plan)
+    built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
+                          free_bytes=device_limit - bytes_per_device(model.params))
+    return dataclasses.replace(built, runner=runner, pooler_config=pooler)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of `tree`'s arrays (or shapes with shardings): its shard of each, the most any
+    device holds (4-bit codes at half a byte)."""
+    return sum(device_bytes(jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype))
+               for a in jax.tree.leaves(tree))
+
+
 def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan, layout_stored: bool = False) -> str | None:
     """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
     feature-major (`layout_stored`) is loaded as it lies only for the feature-major products."""
-    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
+    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
     return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
                                devices=plan.tp * plan.pp, weights_in_place=in_place, stored_turned=layout_stored)
 
@@ -174,21 +211,27 @@ def smallest_token_bucket(platform: str, dtype) -> int:
     return 16 if platform == "gpu" and jnp.dtype(dtype).itemsize == 2 else 1
 
 
-def token_buckets_for(budget: int, dtype) -> tuple[int, ...]:
-    """The default buckets, without those too small to run fast with these weights on this backend."""
-    smallest = smallest_token_bucket(jax.default_backend(), dtype)
+def token_buckets_for(budget: int, dtype, platform: str | None = None) -> tuple[int, ...]:
+    """The default buckets, without those too small to run fast with these weights on `platform` (default:
+    this process's backend)."""
+    platform = platform or jax.default_backend()
+    smallest = smallest_token_bucket(platform, dtype)
     buckets = tuple(b for b in default_token_buckets(budget) if b >= smallest or b == budget)
     if smallest > 1:
         logger.info("token buckets from %d: a %s step of fewer tokens runs padded to %d (a smaller step ran "
-                    "slower on %s)", min(buckets), jnp.dtype(dtype).name, min(buckets), jax.default_backend())
+                    "slower on %s)", min(buckets), jnp.dtype(dtype).name, min(buckets), platform)
     return buckets
 
 
-def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer,
-                  dtype, matmuls: str | None) -> BuiltModel:
-    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library."""
-    attention = select_attention_backend(args.attention_backend)
-    if resolve_layer_loop(args.layer_loop, jax.default_backend()) == "scan":
+def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer | None,
+                  dtype, matmuls: str | None, platform: str | None = None, free_bytes=None) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library.
+    `platform` and `free_bytes`: the devices' kind and memory free after the weights, for a mesh of
+    compile-only devices (`build_abstract`); default: this process's devices."""
+    platform = platform or jax.default_backend()
+    attention = select_attention_backend(args.attention_backend, platform)
+    check_page_dtype(args.kv_cache_dtype, model.plan.mesh.devices.flat[0])
+    if resolve_layer_loop(args.layer_loop, platform) == "scan":
         model = scan_layers(model)
         repeats = model.layer_repeats
         logger.info("layers: %s", f"under lax.scan, {repeats} repeats of {model.plan.layers_per_stage // repeats} "
@@ -203,11 +246,12 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                                              default_token_budget(args.max_num_seqs))
     scheduler_config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
-        token_buckets=args.token_buckets or token_buckets_for(budget, dtype), scheduling_policy=args.scheduling_policy,
+        token_buckets=args.token_buckets or token_buckets_for(budget, dtype, platform),
+        scheduling_policy=args.scheduling_policy,
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    in_place = args.model is not None and checkpoint_format(args.model) == "mapped"
+    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
     # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
     apart = matmuls is not None and any(config.sparse_layers) and experts_can_split(model)
     start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major
@@ -227,14 +271,16 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
                     "as the kernels turned" if turn else f"in {time.perf_counter() - start:.2f} s")
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
-    logger.info("platform %s, %s weights, attention kernels: %s%s", jax.default_backend(),
+    logger.info("platform %s, %s weights, attention kernels: %s%s", platform,
                 jax.numpy.dtype(dtype).name, attention.name,
                 f", matrix products: {describe_cpu_matmuls(matmuls)}" if matmuls else "")
     # After loading: the weights' bytes are then in use, so a memory fraction counts only what is left.
     budget = resolve_kv_budget(config, kv_quant_dtype(args.kv_cache_dtype) or dtype, page_size=args.page_size, max_model_len=max_model_len,
                                max_num_seqs=args.max_num_seqs, num_pages=args.num_pages,
                                kv_cache_memory=args.kv_cache_memory,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               share=KVShare.of(config, model.plan),
+                               **({} if free_bytes is None else {"free_bytes": free_bytes}))
     return BuiltModel(name=args.served_model_name or name, model=model, model_config=config,
                       tokenizer=tokenizer, dtype=dtype, attention=attention, scheduler_config=scheduler_config,
                       cache_config=CacheConfig(page_size=args.page_size, num_pages=budget.num_pages,

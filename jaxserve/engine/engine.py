@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxserve.engine.builder import BuiltModel, build_model
 from jaxserve.engine.pooling_requests import PoolingRequests
+from jaxserve.engine.startup import BUILD, WARMUP, start_phase
 from jaxserve.engine.step_timing import StepTiming
 from jaxserve.engine.precision import Precision
 from jaxserve.engine_args import EngineArgs
@@ -60,6 +61,7 @@ T = TypeVar("T")
 
 
 class Engine(PoolingRequests, StepTiming):
+    @start_phase(BUILD)
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
         """`built`: a model assembled by the caller (`builder.build_from_module`); default: `build_model(args)`."""
         started = time.perf_counter()
@@ -119,6 +121,7 @@ class Engine(PoolingRequests, StepTiming):
 
     # ---- warm-up, compile accounting, the caller's calls ------------------------------------------------
 
+    @start_phase(WARMUP)
     def warmup(self, background: bool = False) -> float:
         """Compile every step program. With `background`, return once one program can run any step and
         compile the others while serving; `startup_seconds["all_programs"]` and `warmup_report` appear

@@ -15,7 +15,9 @@ from jaxserve.engine_args import EngineArgs
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model directory (default: built-in demo model)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in stories260K, a tiny model that tells "
+                        "children's stories); 'demo-random': a small model with random weights, whose text is noise")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a directory with the tokenizer (tokenizer.json, tokenizer_config.json, chat template) "
                         "to use instead of the model's")
@@ -30,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens per KV page (--block-size is vLLM's name for it)")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: every slot at full context)")
     g.add_argument("--kv-cache-memory", type=int, default=None,
-                   help="bytes for the KV cache; the page count follows (instead of --num-pages)")
+                   help="bytes of KV cache on each device; the page count follows (instead of --num-pages)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the device memory left free by the weights to give the KV cache "
                         "(devices without memory statistics, such as the CPU, keep the default)")

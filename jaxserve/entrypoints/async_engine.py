@@ -1,7 +1,8 @@
 """The engine loop: device steps on a dedicated thread, results streamed to asyncio callers.
 
 1. `start()` spawns the engine thread, which loads the model, compiles every program (warm-up) and sets
-   `ready`; until then servers answer 503.
+   `ready`; until then servers answer 503. If that fails, `start_error` holds what to tell the user (the
+   error itself when its message names the file or option to change) and `on_failure` fires, as below.
 2. `generate()` (asyncio side) validates and queues a request, then yields each `RequestOutput` the
    thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does the same for a
    pooling request and its one `EmbeddingRequestOutput`.
@@ -23,6 +24,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine_args import EngineArgs
+from jaxserve.engine.startup import reported
+from jaxserve.errors import ACTIONABLE_ERRORS
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
 from jaxserve.sampling.params import SamplingParams
@@ -42,6 +45,7 @@ class AsyncEngine:
         self.background_warmup = background_warmup  # see Engine.warmup
         self.ready = threading.Event()
         self.error: str | None = None
+        self._start_failure: Exception | None = None  # what failed before `ready`, if anything did
         self.warmup_seconds: float | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -49,8 +53,14 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.steps = 0
         # Called (from the engine thread) once the engine has failed, after every waiter got its error:
-        # the server exits non-zero so a supervisor restarts it.
+        # the server exits non-zero so a supervisor restarts it. It may come before the server runs.
         self.on_failure: Callable[[], None] | None = None
+
+    @property
+    def start_error(self) -> Exception | None:
+        """Why the engine never became ready (None if it did, or has not failed yet): the error itself when
+        its message says what to change, else an `EngineStartError` pointing at the logged traceback."""
+        return None if self._start_failure is None else reported(self._start_failure)
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -86,7 +96,12 @@ class AsyncEngine:
                 self._post_all(self.engine.step())
                 self.steps += 1
         except Exception as e:  # the loop must not die silently: fail every waiter and report it
-            logger.exception("engine thread failed")
+            if self.ready.is_set():
+                logger.exception("engine thread failed")
+            else:
+                self._start_failure = e
+                # An error that names the file or option is the whole story; a traceback is for the others.
+                logger.error("the engine could not start: %s", e, exc_info=not isinstance(e, ACTIONABLE_ERRORS))
             self.error = f"{type(e).__name__}: {e}"
             self.ready.set()
             for request_id in list(self._queues):

@@ -1,11 +1,12 @@
 """Command line: `jaxserve generate ...` (offline, one prompt), `jaxserve convert ...` (a Hugging Face
-checkpoint in a faster format), `jaxserve bench ...`, and `jaxserve serve ...` (the HTTP server).
+checkpoint in a faster format), `jaxserve plan ...` (will it fit on a TPU slice or GPUs),
+`jaxserve bench ...`, and `jaxserve serve ...` (the HTTP server).
 
 1. `build_parser` adds the engine's own subcommands, then every subcommand registered in the
    `jaxserve.commands` entry-point group (pyproject.toml): the HTTP server's `serve` (`server/cli.py`) and
    the benchmarks' `bench` (`jaxserve/bench/cli.py`), so this module imports neither.
-2. `main` parses, sets up logging and runs the subcommand; bad options and inputs exit with status 2 and
-   one line on stderr.
+2. `main` parses, sets up logging and runs the subcommand; bad options and inputs, and an engine that
+   cannot start, exit with status 2 and one line on stderr (its last) that says what to change.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import sys
 from importlib.metadata import entry_points
 
 from jaxserve.entrypoints.args import add_engine_args, add_parallel_args, engine_args_from
+from jaxserve.entrypoints.plan import add_plan_parser
+from jaxserve.errors import ACTIONABLE_ERRORS
 
 DESCRIPTION = """LLM inference in JAX: `serve` an OpenAI-compatible HTTP API, `generate` a completion offline,
-`convert` a checkpoint to a faster format, `bench` a server or the engine.
+`convert` a checkpoint to a faster format, `plan` a deployment (will it fit on a TPU slice or GPUs, compiled
+for them here), `bench` a server or the engine.
 
 Multi-host: start the same command on every host with `--distributed-coordinator HOST:PORT --num-processes
 N --process-id I` (or `--distributed-coordinator auto` on Cloud TPU / SLURM). Process 0 prints the
@@ -104,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_args(conv)
     conv.set_defaults(func=_convert)
 
+    add_plan_parser(sub)
+
     for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
         command.load()(sub)
     return parser
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         return ns.func(ns)
-    except (ValueError, OSError, ImportError) as e:  # ImportError: an optional dependency is missing
+    except ACTIONABLE_ERRORS as e:  # e.g. ImportError: an optional dependency is missing
         parser.exit(2, f"jaxserve: error: {e}\n")
 
 

@@ -26,8 +26,9 @@ from jaxserve.sampling.params import SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
         """`model`: a Hugging Face model directory or an Orbax checkpoint from `jaxserve convert` (None:
-        the built-in demo model). Other keyword arguments are `EngineArgs` fields: dtype, max_num_seqs,
-        max_model_len, page_size, num_pages, kv_cache_memory, gpu_memory_utilization,
+        the built-in stories260K; "demo-random": a small model with random weights). Other keyword
+        arguments are `EngineArgs` fields: dtype, max_num_seqs, max_model_len, page_size, num_pages,
+        kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), kv_cache_dtype ("auto" | "int8" | "fp8"), quantization ("int8" |
         "fp8": linear layers quantized at load; None follows the checkpoint), quantization_strategy, quantize_lm_head,
         quantize_embedding,
@@ -40,7 +41,7 @@ class LLM:
         max_lora_rank, max_cpu_loras, lora_modules, speculative_config (vLLM's dict, docs/speculative.md)."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
-        self._defaults = sampling_defaults(model)
+        self._defaults = sampling_defaults(self.engine.args.model_dir)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without sampling_params: the model's generation_config.json (temperature,

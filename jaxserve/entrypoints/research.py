@@ -96,7 +96,7 @@ class Workbench:
 
     @classmethod
     def load(cls, model: str | None = None, **engine_kwargs) -> "Workbench":
-        """A workbench over `LLM(model, **engine_kwargs)` (None: the built-in demo model)."""
+        """A workbench over `LLM(model, **engine_kwargs)` (None: the built-in stories260K)."""
         return cls(LLM(model, **engine_kwargs))
 
     def new_sequence(self, max_tokens: int) -> Sequence:

@@ -26,6 +26,7 @@ from jaxserve.execution.batch import BatchLayout
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.host_memory import release_freed_memory
 from jaxserve.execution.program_cache import ProgramCache
+from jaxserve.execution.programs import abstract
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +183,3 @@ class StepCompiler:
     def lower(self, layout: BatchLayout):
         return self.step.lower(*self.program_inputs(layout), layout, False)
 
-
-def abstract(tree):
-    """The arrays of `tree` (device or host) as shapes, dtypes and shardings: what lowering a program needs
-    of them, and what the program cache keys it by."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
-                        tree)

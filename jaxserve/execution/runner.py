@@ -25,26 +25,23 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.execution.batch import BatchBuilder, BatchLayout
 from jaxserve.execution.compile_events import CompileEvents
-from jaxserve.execution.compiler import StepCompiler, WarmupReport, abstract
-from jaxserve.execution.step_program import StepResults, jit_step
+from jaxserve.execution.compiler import StepCompiler, WarmupReport
+from jaxserve.execution.programs import StepPrograms
+from jaxserve.execution.step_program import StepResults
 from jaxserve.loader.placement import ShardedModel
 from jaxserve.lora.adapter import LoRAAdapter
 from jaxserve.lora.slots import LoRASlots
-from jaxserve.model.kv_cache import KVCache, QuantizedPages
-from jaxserve.sampling.logits import SamplerState
+from jaxserve.model.kv_cache import KVCache
 from jaxserve.scheduling.pages import pages_needed
 from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, StepPlan
 from pallas_kernels.dispatch import AttentionBackend
 from sharding import MeshPlan
 from sharding.loading import zeros
-from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype, scales_shape
-from sharding.rules import kv_cache_spec, kv_scales_spec
 
 
 @dataclasses.dataclass
@@ -114,14 +111,15 @@ class ModelRunner:
         self.layer_repeats = model.layer_repeats  # > 1: layers under lax.scan (jaxserve/model/layer_loop.py)
         self._param_leaves = tuple(jax.tree.leaves(self.params))
         max_seqs = scheduler_config.max_num_seqs
+        self.programs = StepPrograms.build(model, model_config, cache_config, scheduler_config, attention, dtype,
+                                           sampler_config, pooling, None if lora is None else lora.stack,
+                                           max_drafts, compiler_options)
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
-        layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), self.max_pages_per_seq,
-                                  sampler_config.max_logit_bias, max_seqs, max_drafts) for b in scheduler_config.token_buckets}
         self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
         # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
         # (1 GB for a 1B model: ~1 s), which then overlaps warm-up's first compilation. Compiling needs only
         # the abstract cache; the first access to `kv_cache` waits for the arrays.
-        self.kv_abstract = self._abstract_kv_cache()
+        self.kv_abstract = self.programs.kv_cache
         self._kv_cache: KVCache | None = None
         filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-kv-cache")
         self._kv_filling = filler.submit(self._new_kv_cache)
@@ -131,33 +129,16 @@ class ModelRunner:
         self._prev_samples = self._no_samples
         # The allowed-token bitmask of each bucket's sequence rows when no row is constrained: all ones, kept
         # on the device, so unconstrained steps transfer nothing for it.
-        self.mask_words = (model_config.vocab_size + 31) // 32
-        self._open_masks = {b: jax.device_put(self._all_allowed(layout.seqs), rep) for b, layout in layouts.items()}
+        self.mask_words = self.programs.mask_words
+        self._open_masks = {b: jax.device_put(self._all_allowed(layout.seqs), rep)
+                            for b, layout in self.programs.layouts.items()}
         # Per slot, and one scratch row for padding (see jaxserve/sampling/logits.py).
-        state_shape = (max_seqs + 1, model_config.vocab_size)
-        self.sampler_state = SamplerState(zeros(state_shape, jnp.int32, rep), zeros(state_shape, jnp.bool_, rep))
-        step = jit_step(model, self.plan, attention, model_config, self.kv_abstract, self.sampler_state,
-                        num_samples=max_seqs, top=sampler_config.max_logprobs, pooling=pooling,
-                        lora=None if lora is None else lora.stack, compiler_options=compiler_options)
-        self.compiler = StepCompiler(step, layouts, self._program_inputs,
+        self.sampler_state = jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.programs.sampler_state)
+        self.compiler = StepCompiler(self.programs.step, self.programs.layouts, self.programs.inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
                                       max_seqs, sampler_config.max_logprobs, pooling,
                                       sorted((compiler_options or {}).items())),
                                      list(self.plan.mesh.devices.flat), max_seqs, self.events)
-
-    def _abstract_kv_cache(self) -> KVCache:
-        """Each of a stage's layers' K and V pages [pp * num_kv_heads, num_pages, page_size, head_dim]
-        (quantized: codes, and scales without head_dim), as shapes and shardings; one array of every
-        layer's block when the layers run under `lax.scan` (`KVCache`)."""
-        c, plan = self.model_config, self.plan
-        shape = (plan.pp * c.num_kv_heads, self.cache_config.num_pages, self.cache_config.page_size, c.head_dim)
-        page_dtype = kv_quant_dtype(self.cache_config.kv_cache_dtype)
-        pages = jax.ShapeDtypeStruct(shape, page_dtype or self.dtype, sharding=plan.sharding(kv_cache_spec()))
-        if page_dtype is not None:
-            scales = jax.ShapeDtypeStruct(scales_shape(*shape[:3]), SCALE_DTYPE,
-                                          sharding=plan.sharding(kv_scales_spec()))
-            pages = QuantizedPages(pages, scales)
-        return KVCache.abstract(pages, plan.layers_per_stage, folded=self.layer_repeats > 1)
 
     def _new_kv_cache(self) -> KVCache:
         """The cache's arrays, created in place on their devices."""
@@ -175,14 +156,6 @@ class ModelRunner:
 
     def _all_allowed(self, rows: int) -> np.ndarray:
         return np.full((rows, self.mask_words), -1, np.int32)
-
-    def _program_inputs(self, layout: BatchLayout) -> tuple:
-        # Abstract arguments: the engine thread may be running (and donating) the cache and sampler state
-        # meanwhile; only their shapes and shardings matter here.
-        ints, floats = layout.empty()
-        return (abstract(self._param_leaves), self.kv_abstract, abstract(self.sampler_state),
-                abstract(self._no_samples), ints, floats, self._open_masks[layout.tokens],
-                None if self.lora is None else abstract(self.lora.stack))
 
     # ---- compiling --------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+from jaxserve.json_files import read_json_object
 from jaxserve.loader.orbax import OrbaxReader
 from jaxserve.loader.safetensors import SafetensorsReader
 
@@ -25,8 +26,7 @@ COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
 def checkpoint_marker(model_dir: str | Path) -> dict:
     """What `convert` recorded of a directory it wrote (format, dtype, quantized layers); {} for a Hugging
     Face directory."""
-    marker = Path(model_dir) / MARKER
-    return json.loads(marker.read_text()) if marker.is_file() else {}
+    return read_json_object(Path(model_dir) / MARKER)
 
 
 def checkpoint_format(model_dir: str | Path) -> str | None:

@@ -14,6 +14,7 @@ import logging
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -63,3 +64,12 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(model_dir, config, dtype, plan)
     return nnx.merge(model.graphdef, model.params)
+
+
+def abstract_weights(config: ModelConfig, dtype, plan: MeshPlan, feature_major: bool = False) -> ShardedModel:
+    """The model as `load_weights` places it, with `jax.ShapeDtypeStruct`s (shape, dtype, sharding) where the
+    arrays would be: what compiling a step needs of the weights (`jaxserve plan`). Nothing is read or
+    allocated, so it works for a mesh of compile-only devices and a model of any size."""
+    entries = param_entries(config, dtype, plan, feature_major=feature_major)
+    shapes = {e.path: jax.ShapeDtypeStruct(e.layout.padded, e.dtype, sharding=e.sharding) for e in entries}
+    return assemble(shapes, config, dtype, plan, feature_major)

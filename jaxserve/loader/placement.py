@@ -150,7 +150,7 @@ class RegionReader:
 
 
 class ModuleReader(RegionReader):
-    """Slices of an in-memory module's parameters (the built-in demo model, tests). Copied: the device
+    """Slices of an in-memory module's parameters (the random demo model, tests). Copied: the device
     arrays must not alias the module's."""
     description = "a module in memory"
 
@@ -225,13 +225,18 @@ def scan_layers(model: ShardedModel) -> ShardedModel:
         if is_layer_param(key):
             first, rest = int(key[1]), key[2:]
             pieces = [current.pop(("layers", str(t * period + first)) + rest) for t in range(repeats)]
-            value = _stacker(pieces[0].sharding)(*pieces)
+            stack = _stacker(pieces[0].sharding)
+            value = jax.eval_shape(stack, *pieces) if _abstract(pieces[0]) else stack(*pieces)
             del pieces
         else:
             value = current.pop(key)
         set_path(runtime, path, value)
     nnx.replace_by_pure_dict(state, runtime)
     return dataclasses.replace(model, graphdef=graphdef, params=state, layer_repeats=repeats)
+
+
+def _abstract(value) -> bool:
+    return isinstance(value, jax.ShapeDtypeStruct)
 
 
 @functools.cache

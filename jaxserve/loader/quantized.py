@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from pathlib import Path
@@ -29,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.json_files import read_json_object
 from jaxserve.loader.formats import checkpoint_format, checkpoint_marker
 from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
@@ -48,7 +48,7 @@ def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantizat
     checkpoint, whose copied config.json describes its source: see `stored_quantization`)."""
     if model_dir is None or not (Path(model_dir) / "config.json").is_file() or checkpoint_format(model_dir):
         return None
-    return detect_checkpoint_quantization(json.loads((Path(model_dir) / "config.json").read_text()), model_dir)
+    return detect_checkpoint_quantization(read_json_object(Path(model_dir) / "config.json"), model_dir)
 
 
 def _checkpoint_codes(ckpt: CheckpointQuantization) -> str:
@@ -172,11 +172,8 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
     `lm_head` (`--quantize-lm-head`) / `embedding` (`--quantize-embedding`): the LM head / the token
     embedding too, quantized at load. `stored`: the layers of a converted checkpoint, already quantized
     (`stored_quantization`): `reader` reads them."""
-    spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
-    if lm_head and not (stored and stored["lm_head"]):
-        spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
-    if embedding and not (stored and stored["embedding"]):
-        spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
+    config = quantized_config(config, requested, ckpt, strategy, lm_head, stored, embedding)
+    spec = config.linear_quantization
     if spec is None:
         return reader, config
     logger.info("%s: %s codes %s (%s), run %s%s", spec.quantized_parts, spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
@@ -184,7 +181,20 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
                 f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
     if stored is None:
         reader = QuantizedLinearReader(reader, spec, ckpt)
-    return reader, dataclasses.replace(config, linear_quantization=spec)
+    return reader, config
+
+
+def quantized_config(config: ModelConfig, requested: str | None, ckpt: CheckpointQuantization | None = None,
+                     strategy: str | None = None, lm_head: bool = False, stored: dict | None = None,
+                     embedding: bool = False) -> ModelConfig:
+    """The model's config with these options' quantization (`quantized_loading`'s, without a reader: for an
+    abstract model, which reads no weights)."""
+    spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
+    if lm_head and not (stored and stored["lm_head"]):
+        spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
+    if embedding and not (stored and stored["embedding"]):
+        spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
+    return config if spec is None else dataclasses.replace(config, linear_quantization=spec)
 
 
 def _with_part(flag: str, field: str, part: str, spec: LinearQuantization | None,

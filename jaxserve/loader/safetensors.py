@@ -25,6 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxserve.json_files import read_json_object
 from jaxserve.loader.placement import RegionReader
 from sharding.loading import HOST_ALIGNMENT, InPlace
 
@@ -85,7 +86,9 @@ def safetensors_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> file, from the index of a sharded checkpoint or the single file's header."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no \"weight_map\" object naming each tensor's file (download it again)")
         return {name: model_dir / file for name, file in weight_map.items()}
     single = model_dir / "model.safetensors"
     if not single.is_file():
@@ -107,16 +110,25 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 def read_header(path: Path) -> tuple[int, dict]:
     """(offset of the data, {tensor name: {dtype, shape, data_offsets}}) of a .safetensors file.
-    Layout: 8-byte little-endian header size, a JSON header, then the data."""
+    Layout: 8-byte little-endian header size, a JSON header, then the data. A file cut short (an interrupted
+    download or copy) is refused here, naming it, before any tensor is read from it."""
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
-        if not 0 < header_size <= min(MAX_HEADER_BYTES, path.stat().st_size - 8):
-            raise ValueError(f"{path} is not a safetensors file (header size {header_size})")
+        if not 0 < header_size <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(f"{path} is truncated or not a safetensors file: its first 8 bytes announce a "
+                             f"{header_size}-byte header in a {file_size}-byte file (download it again)")
         try:
             header = json.loads(f.read(header_size))
-        except ValueError as e:
-            raise ValueError(f"{path} has a broken safetensors header: {e}") from None
-    return 8 + header_size, {name: info for name, info in header.items() if name != "__metadata__"}
+            tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+            data_end = max((info["data_offsets"][1] for info in tensors.values()), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise ValueError(f"{path} is corrupt: its safetensors header is broken ({e}); download it again") from None
+    data_size = file_size - 8 - header_size
+    if data_end > data_size:
+        raise ValueError(f"{path} is truncated: its header describes {data_end} bytes of tensor data but the file "
+                         f"holds {data_size} (an interrupted download or copy? download it again)")
+    return 8 + header_size, tensors
 
 
 class SafetensorsFile:
@@ -255,9 +267,10 @@ class SafetensorsReader(RegionReader):
 
     def _tensor_reader(self, name: str, transpose: bool, file: SafetensorsFile, shape: tuple[int, ...]):
         stored = tuple(file.tensors[name]["shape"])
-        if (stored[::-1] if transpose else stored) != tuple(shape):
-            raise ValueError(f"tensor {name!r} has shape {stored}, the config implies "
-                             f"{tuple(shape[::-1]) if transpose else tuple(shape)}")
+        expected = tuple(shape[::-1]) if transpose else tuple(shape)  # as the checkpoint would store it
+        if stored != expected:
+            raise ValueError(f"weight {name!r} in {file.path} has shape {stored} but {self.model_dir / 'config.json'} "
+                             f"implies {expected} (is config.json from another model?)")
 
         def fill(index: tuple[slice, ...], out: np.ndarray) -> None:
             view = file.view(name)

@@ -32,30 +32,34 @@ LORA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 class LoRASlots:
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype, plan: MeshPlan,
                  modules: tuple[str, ...] = TARGET_MODULES):
-        if config.model_type not in LORA_MODEL_TYPES:
-            raise ValueError(f"LoRA adapters are served on {', '.join(LORA_MODEL_TYPES)} models; this one is "
-                             f"{config.model_type!r}")
         self.num_slots = max_loras + 1
         self.max_rank = max_rank
         self.dtype = dtype
         self.modules = modules
-        mesh_shape = dict(plan.mesh.shape)
         # module -> (A padded [in, R] layout, B padded [R, out] layout), the same for every layer
-        self._layouts = {m: lora_layouts(MODULE_BLOCKS[m], m, module_shape(config, m), max_rank, mesh_shape)
-                         for m in modules}
+        self._layouts = _module_layouts(config, max_rank, plan, modules)
         self._value_shardings = {m: (NamedSharding(plan.mesh, a.spec), NamedSharding(plan.mesh, b.spec))
                                  for m, (a, b) in self._layouts.items()}
-
-        def stacked(layout) -> jax.Array:
-            spec = jax.sharding.PartitionSpec(None, *layout.spec)
-            return zeros((self.num_slots, *layout.padded), dtype, NamedSharding(plan.mesh, spec))
-
-        layers = range(config.num_layers)
-        self.stack = LoRAStack(a=[{m: stacked(self._layouts[m][0]) for m in modules} for _ in layers],
-                               b=[{m: stacked(self._layouts[m][1]) for m in modules} for _ in layers])
+        shapes = self.abstract_stack(config, max_loras, max_rank, dtype, plan, modules)
+        self.stack = jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), shapes)
         shardings = jax.tree.map(lambda x: x.sharding, self.stack)
         self._write = jax.jit(_write_slot, donate_argnums=0, out_shardings=shardings)
         self.num_layers = config.num_layers
+
+    @staticmethod
+    def abstract_stack(config: ModelConfig, max_loras: int, max_rank: int, dtype, plan: MeshPlan,
+                       modules: tuple[str, ...] = TARGET_MODULES) -> LoRAStack:
+        """The slot stacks as shapes and shardings: per layer and module, A [slots, in, R] and B [slots, R,
+        out] laid out like the base layer. Nothing is allocated (compiling for devices not here uses it)."""
+        layouts = _module_layouts(config, max_rank, plan, modules)
+
+        def stacked(layout) -> jax.ShapeDtypeStruct:
+            spec = jax.sharding.PartitionSpec(None, *layout.spec)
+            return jax.ShapeDtypeStruct((max_loras + 1, *layout.padded), dtype, sharding=NamedSharding(plan.mesh, spec))
+
+        layers = range(config.num_layers)
+        return LoRAStack(a=[{m: stacked(layouts[m][0]) for m in modules} for _ in layers],
+                         b=[{m: stacked(layouts[m][1]) for m in modules} for _ in layers])
 
     @property
     def num_bytes(self) -> int:
@@ -96,6 +100,14 @@ class LoRASlots:
         """Compile the slot update (by zeroing slot 1, which holds nothing yet)."""
         if self.num_slots > 1:
             self.write(1, None)
+
+
+def _module_layouts(config: ModelConfig, max_rank: int, plan: MeshPlan, modules: tuple[str, ...]) -> dict:
+    if config.model_type not in LORA_MODEL_TYPES:
+        raise ValueError(f"LoRA adapters are served on {', '.join(LORA_MODEL_TYPES)} models; this one is "
+                         f"{config.model_type!r}")
+    mesh_shape = dict(plan.mesh.shape)
+    return {m: lora_layouts(MODULE_BLOCKS[m], m, module_shape(config, m), max_rank, mesh_shape) for m in modules}
 
 
 def _write_slot(stack: LoRAStack, slot, a_values, b_values) -> LoRAStack:

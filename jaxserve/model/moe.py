@@ -105,6 +105,10 @@ def split_experts(model: nnx.Module, allocate=np.empty) -> nnx.Module:
 
 
 class SparseMoE(nnx.Module):
+    # The router stays in float under --quantization: a [hidden, experts] matrix is a sliver of the layer's
+    # bytes, and rounding its scores would change which experts a token goes to.
+    float_linears = ("gate",)
+
     def __init__(self, config: ModelConfig, names: tuple[str, str, str], dtype, rngs: nnx.Rngs):
         self.gate = _linear(dtype, config.hidden_size, config.num_experts, False, rngs)  # the router
         self.experts = Experts(config, names, dtype, rngs)

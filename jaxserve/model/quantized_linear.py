@@ -86,14 +86,17 @@ class QuantizedEmbed(nnx.Module):
 
 
 def quantize_linears(model: nnx.Module, spec: LinearQuantization) -> nnx.Module:
-    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape, the LM
-    head when `spec.lm_head` and the token embedding by a `QuantizedEmbed` when `spec.embedding`."""
+    """Every `nnx.Linear` of `model.layers` replaced by an (empty) `QuantizedLinear` of its shape (but those a
+    module names in `float_linears`), the LM head when `spec.lm_head` and the token embedding by a
+    `QuantizedEmbed` when `spec.embedding`."""
     def quantized(linear: nnx.Linear) -> QuantizedLinear:
         return QuantizedLinear(linear.in_features, linear.out_features, use_bias=linear.bias is not None,
                                spec=spec, dtype=linear.param_dtype)
 
     def swap(module: nnx.Module) -> None:
         for name, child in list(vars(module).items()):
+            if name in getattr(module, "float_linears", ()):  # e.g. a mixture's router: kept in float
+                continue
             if isinstance(child, nnx.Linear):
                 setattr(module, name, quantized(child))
             elif isinstance(child, nnx.Module):

@@ -2,7 +2,7 @@
 
 `model_class` picks the NNX module of a config; `abstract_model` builds it as shapes only (every
 parameter's path, shape and dtype, no memory; quantized linear layers where the config says), which is
-what loading plans from; `random_model` builds it with deterministic random float weights (the built-in
+what loading plans from; `random_model` builds it with deterministic random float weights (the random
 demo model, tests, benchmarks), which `--quantization` then quantizes as it loads them.
 """
 
@@ -48,5 +48,5 @@ def abstract_model(config: ModelConfig, dtype, feature_major: bool = False) -> n
 
 
 def random_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> nnx.Module:
-    """Randomly initialised weights (deterministic in `seed`), for the built-in demo model and tests."""
+    """Randomly initialised weights (deterministic in `seed`), for the random demo model and tests."""
     return model_class(config)(config, dtype=dtype, rngs=nnx.Rngs(seed))

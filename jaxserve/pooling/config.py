@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from jaxserve.errors import InvalidParameter
+from jaxserve.json_files import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +77,10 @@ class PoolerConfig:
         if model_dir is not None:
             directory = Path(model_dir)
             settings = _sentence_transformers_pooling(directory)
-            if (directory / "config.json").is_file():
-                hf = json.loads((directory / "config.json").read_text())
-            st_config = directory / "sentence_bert_config.json"
-            if st_config.is_file() and json.loads(st_config.read_text()).get("max_seq_length"):
-                settings["max_seq_length"] = int(json.loads(st_config.read_text())["max_seq_length"])
+            hf = read_json_object(directory / "config.json")
+            max_seq_length = read_json_object(directory / "sentence_bert_config.json").get("max_seq_length")
+            if max_seq_length:
+                settings["max_seq_length"] = int(max_seq_length)
         settings.update(parse_pooler_overrides(overrides))
         dims = hf.get("matryoshka_dimensions") or ()
         config = cls(**settings, matryoshka_dimensions=tuple(int(d) for d in dims),
@@ -101,8 +101,7 @@ def resolve_runner(runner: str, model_dir: str | Path | None) -> str:
     directory = Path(model_dir)
     if (directory / "modules.json").is_file():
         return "pooling"
-    config = directory / "config.json"
-    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    architectures = read_json_object(directory / "config.json").get("architectures") or []
     if architectures and all(a.endswith("Model") for a in architectures):
         return "pooling"
     return "generate"
@@ -119,7 +118,7 @@ def _sentence_transformers_pooling(directory: Path) -> dict:
     settings: dict = {"normalize": "Normalize" in types}
     pooling = next((m for m in modules if m.get("type", "").endswith("Pooling")), None)
     if pooling is not None and (directory / pooling.get("path", "") / "config.json").is_file():
-        mode = json.loads((directory / pooling["path"] / "config.json").read_text())
+        mode = read_json_object(directory / pooling["path"] / "config.json")
         unsupported = [k for k in _ST_UNSUPPORTED if mode.get(k)]
         chosen = [ours for key, ours in _ST_MODES.items() if mode.get(key)]
         if unsupported or len(chosen) > 1:

@@ -15,13 +15,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
+from jaxserve.json_files import read_json_object
 from jaxserve.quantization.packing import AWQ_ORDER, unpack_columns, unpack_rows
 from jaxserve.quantization.weights import QuantizedWeight, check_quantized_weight
 
@@ -245,7 +245,7 @@ def detect_checkpoint_quantization(config: dict, model_dir: str | Path | None = 
         for name, method in SIDECAR_CONFIGS.items():
             path = Path(model_dir) / name
             if path.is_file():
-                qc = {"quant_method": method} | json.loads(path.read_text())
+                qc = {"quant_method": method} | read_json_object(path)
                 break
     if qc is None:
         return None

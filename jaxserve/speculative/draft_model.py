@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, SpeculativeConfig
 from jaxserve.execution.batch import BatchLayout, StepBatch
-from jaxserve.execution.compiler import abstract
+from jaxserve.execution.programs import abstract
 from jaxserve.execution.runner import LaunchedStep
 from jaxserve.loader.formats import open_checkpoint
 from jaxserve.loader.load import load_weights

@@ -17,7 +17,6 @@ No JAX here: the server and tests use this without touching a device.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from jinja2.sandbox import SecurityError
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from jaxserve.json_files import read_json_object
 from jaxserve.text.chat_template import (TEMPLATE_TIME_LIMIT, ChatTemplateError, compile_template,
                                          find_chat_template, render)
 from jaxserve.text.detokenizer import IncrementalDetokenizer
@@ -108,18 +108,15 @@ class Tokenizer:
         model_dir = Path(model_dir) if model_dir is not None else path
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(
-                f"{tok_file} not found: the model folder needs a tokenizer.json "
-                "(the `tokenizers` library format)"
-            )
+            raise FileNotFoundError(_no_tokenizer_json(path, given=path != model_dir))
         try:
             backend = _Backend.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises a bare Exception on bad JSON/schema
             raise ValueError(f"{tok_file} could not be read as a tokenizer: {e}") from e
 
-        tok_cfg = _read_json(path / "tokenizer_config.json")
-        gen_cfg = _read_json(model_dir / "generation_config.json")
-        model_cfg = _read_json(model_dir / "config.json")
+        tok_cfg = read_json_object(path / "tokenizer_config.json")
+        gen_cfg = read_json_object(model_dir / "generation_config.json")
+        model_cfg = read_json_object(model_dir / "config.json")
 
         # generation_config is what the model authors stop on; the tokenizer's own EOS is added
         # because chat models often end a turn with it. config.json only when neither says.
@@ -288,16 +285,17 @@ _BYTE_LEVEL_CHAT_TEMPLATE = (
 )
 
 
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} should hold a JSON object, found {type(data).__name__}")
-    return data
+# A slow tokenizer's files: a folder with one of these but no tokenizer.json is converted by transformers.
+_SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _no_tokenizer_json(path: Path, given: bool) -> str:
+    """What to do about a folder without tokenizer.json (`given`: it was named by --tokenizer)."""
+    slow = [name for name in _SLOW_TOKENIZER_FILES if (path / name).is_file()]
+    convert = (f", or write one beside its {', '.join(slow)} with transformers: "
+               f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)" if slow else "")
+    return (f"no tokenizer.json in {path}{' (--tokenizer)' if given else ''}: jaxserve reads the `tokenizers` "
+            f"library's format; pass --tokenizer DIR for a folder that has one{convert}")
 
 
 def _token_content(value: Any) -> str | None:

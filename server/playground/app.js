@@ -2,9 +2,10 @@
 //
 // 1. On load: restore the settings and both conversations (store.js), then list the models. A 401 opens
 //    the API-key dialog; a 503 (the model still compiling) is retried until the server is ready.
-// 2. Send (the button, or Enter; Shift+Enter is a new line) appends the user's text and an empty answer,
-//    builds the request from the conversation and the settings, and streams it (api.js). Each chunk
-//    grows the answer in place and updates its TTFT and tokens per second.
+// 2. Send (the button, or Enter; Shift+Enter is a new line; or the empty page's suggested first prompt)
+//    appends the user's text and an empty answer, builds the request from the conversation and the
+//    settings, and streams it (api.js). Each chunk grows the answer in place and updates its TTFT and
+//    tokens per second.
 // 3. Stop aborts the fetch: the server sees the connection close and ends the request. Regenerate
 //    replaces the last answer with a fresh one. The conversation is saved at each step, so a reload
 //    keeps it (an answer cut by the reload is marked stopped).
@@ -293,6 +294,12 @@ function wire() {
   document.addEventListener("keydown", (e) => {
     if (e.key === "Escape" && state.running && !$("key-dialog").open) state.running.controller.abort();
   });
+  for (const button of document.querySelectorAll("#empty-hint .suggestion")) {  // sends its prompt at once
+    button.addEventListener("click", () => {
+      $("prompt").value = button.dataset.prompt;
+      send();
+    });
+  }
   $("stop").addEventListener("click", () => state.running && state.running.controller.abort());
   $("regenerate").addEventListener("click", regenerate);
   $("clear").addEventListener("click", () => {

@@ -1,0 +1,97 @@
+"""A model's step programs as shapes: what each token bucket's program is compiled over.
+
+Built from abstract values alone, so the same programs compile on the serving devices (`runner.py`, which
+adds the arrays) and for a slice that is not here (`jaxserve plan`, on compile-only devices):
+1. `StepPrograms.build` makes the jitted step (`step_program.jit_step`), one `BatchLayout` per token bucket,
+   and the state the step takes donated and returns: the KV cache (`KVCache.abstract`) and the sampler
+   state, with the previous step's samples and the all-allowed grammar masks beside them.
+2. `inputs(layout)` is a bucket's program arguments as shapes and shardings; `lower(layout)` lowers it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
+from jaxserve.execution.batch import BatchLayout
+from jaxserve.execution.step_program import jit_step
+from jaxserve.loader.placement import ShardedModel
+from jaxserve.model.kv_cache import KVCache, QuantizedPages
+from jaxserve.sampling.logits import SamplerState
+from jaxserve.scheduling.pages import pages_needed
+from pallas_kernels.dispatch import AttentionBackend
+from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype, scales_shape
+from sharding import MeshPlan
+from sharding.rules import kv_cache_spec, kv_scales_spec
+
+
+def abstract(tree):
+    """The arrays of `tree` (device arrays, host arrays or shapes already) as shapes, dtypes and shardings:
+    what lowering a program needs of them, and what the program cache keys it by."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                        tree)
+
+
+def abstract_kv_cache(model_config: ModelConfig, cache_config: CacheConfig, plan: MeshPlan, dtype,
+                      layers_folded: bool) -> KVCache:
+    """Each of a stage's layers' K and V pages [pp * num_kv_heads, num_pages, page_size, head_dim]
+    (quantized: codes, and their lane-dense scales), as shapes and shardings; one array of every layer's
+    block when the layers run under `lax.scan` (`KVCache`)."""
+    c = model_config
+    shape = (plan.pp * c.num_kv_heads, cache_config.num_pages, cache_config.page_size, c.head_dim)
+    page_dtype = kv_quant_dtype(cache_config.kv_cache_dtype)
+    pages = jax.ShapeDtypeStruct(shape, page_dtype or dtype, sharding=plan.sharding(kv_cache_spec()))
+    if page_dtype is not None:
+        scales = jax.ShapeDtypeStruct(scales_shape(*shape[:3]), SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
+        pages = QuantizedPages(pages, scales)
+    return KVCache.abstract(pages, plan.layers_per_stage, folded=layers_folded)
+
+
+@dataclasses.dataclass
+class StepPrograms:
+    step: object  # the jitted step (`jit_step`)
+    layouts: dict[int, BatchLayout]  # token bucket -> its program's shapes
+    params: tuple  # the parameters' leaves, abstract
+    kv_cache: KVCache  # abstract
+    sampler_state: SamplerState  # abstract
+    prev_samples: jax.ShapeDtypeStruct  # [max_num_seqs] int32
+    lora: object  # the LoRA slot stacks, abstract, or None
+    mask_words: int  # int32 words of one row's allowed-token bitmask
+
+    @classmethod
+    def build(cls, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
+              scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
+              sampler_config: SamplerConfig = SamplerConfig(), pooling: bool = False, lora_stack=None,
+              max_drafts: int = 0, compiler_options: dict | None = None) -> "StepPrograms":
+        """`model`'s parameters may be arrays or shapes (`loader.load.abstract_weights`); `lora_stack`: the
+        LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
+        sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program."""
+        plan = model.plan
+        max_seqs = scheduler_config.max_num_seqs
+        max_pages = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
+        layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), max_pages, sampler_config.max_logit_bias,
+                                  max_seqs, max_drafts) for b in scheduler_config.token_buckets}
+        kv = abstract_kv_cache(model_config, cache_config, plan, dtype, layers_folded=model.layer_repeats > 1)
+        rep = plan.replicated
+        state_shape = (max_seqs + 1, model_config.vocab_size)  # per slot, and the padding rows' scratch row
+        sampler_state = SamplerState(jax.ShapeDtypeStruct(state_shape, jnp.int32, sharding=rep),
+                                     jax.ShapeDtypeStruct(state_shape, jnp.bool_, sharding=rep))
+        lora = None if lora_stack is None else abstract(lora_stack)
+        step = jit_step(model, plan, attention, model_config, kv, sampler_state, num_samples=max_seqs,
+                        top=sampler_config.max_logprobs, pooling=pooling, lora=lora,
+                        compiler_options=compiler_options)
+        return cls(step, layouts, tuple(abstract(jax.tree.leaves(model.params))), kv, sampler_state,
+                   jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep), lora,
+                   (model_config.vocab_size + 31) // 32)
+
+    def inputs(self, layout: BatchLayout) -> tuple:
+        """The arguments of `layout`'s program, but for the two static ones (the layout, the logits flag)."""
+        ints, floats = layout.empty()
+        masks = jax.ShapeDtypeStruct((layout.seqs, self.mask_words), jnp.int32, sharding=self.prev_samples.sharding)
+        return (self.params, self.kv_cache, self.sampler_state, self.prev_samples, ints, floats, masks, self.lora)
+
+    def lower(self, layout: BatchLayout):
+        return self.step.lower(*self.inputs(layout), layout, False)
