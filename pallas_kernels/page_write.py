@@ -17,8 +17,8 @@ of every head, over head-major pages, asked for a token-major physical layout, w
 16 cache-sized copies in an unrolled 8-layer Llama-3-8B-shaped v6e step (8257 pages of 16) and ~69 GB
 of copies a step with the layers scanned. A one-head window is contiguous in the default layout, and the
 same programs compile with no copy of the cache (docs/performance.md, "The KV write on TPUs"). XLA:CPU
-runs the per-token form faster (a 2048-token write 1.6-4.7x faster; a decode's 16 tokens about the
-same), and the H200 already updates the cache in place with it.
+runs the per-token form faster (256-2048-token writes 1.6-5.0x, a 16-token decode write 1.15-1.2x),
+and the H200 already updates the cache in place with it.
 A token-major page layout shared with the kernel was the other way out; it pads the heads axis to
 Mosaic's tile wherever a device holds fewer KV heads than one 32-bit word packs (1 for bf16, 1-2 for
 int8 / fp8: tensor parallelism over a model's KV heads), and with the padding the copies came back.
