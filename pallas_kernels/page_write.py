@@ -14,8 +14,8 @@ The step donates the pages, so XLA updates them in place.
 Why two forms. XLA's TPU scatter wants each update's window contiguous in memory, so a token's window
 of every head, over head-major pages, asked for a token-major physical layout, while the Mosaic kernel
 (`ragged_tpu.py`) pins the default one: XLA copied every layer's K and V to the scatter's layout and back,
-16 cache-sized copies in an unrolled 8-layer Llama-3-8B-shaped v6e step (8257 pages of 16) and ~69 GB
-of copies a step with the layers scanned. A one-head window is contiguous in the default layout, and the
+8.7 GB of copies a step for an unrolled 8-layer Llama-3-8B-shaped v6e step (8257 pages of 16) and 69 GB
+with the layers scanned. A one-head window is contiguous in the default layout, and the
 same programs compile with no copy of the cache (docs/performance.md, "The KV write on TPUs"). XLA:CPU
 runs the per-token form faster (256-2048-token writes 1.6-5.0x, a 16-token decode write 1.15-1.2x),
 and the H200 already updates the cache in place with it.
