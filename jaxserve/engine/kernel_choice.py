@@ -82,7 +82,7 @@ def linear_shapes(module: nnx.Module, dtype, scanned: bool) -> dict[LinearShape,
             continue
         if scanned and path and path[0] == "layers":
             continue
-        codes, scales = node.codes[...], node.scales[...]
+        codes, scales = node.codes.get_raw_value(), node.scales.get_raw_value()  # arrays or (plan) shapes
         if jnp.dtype(codes.dtype).name not in CODE_RANGES:  # fp8 weight-only: XLA's
             continue
         (k, n), groups = _local(codes)[-2:], _local(scales)[-2]
@@ -201,7 +201,7 @@ def choose_linear_kernels(model: ShardedModel, requested: str, platform: str, to
     for shape, layers in shapes.items():
         reason = unsupported(shape, flavour)
         if reason is not None:
-            logger.info("weight-only %s (%d layers): XLA's product, the kernel does not take it (%s)",
+            logger.info("weight-only %s (%d linear layers): XLA's product, the kernel does not take it (%s)",
                         shape.describe(), len(layers), reason)
             continue
         if requested == "pallas":
@@ -210,7 +210,7 @@ def choose_linear_kernels(model: ShardedModel, requested: str, platform: str, to
             plan, said = measured_plan(shape, rows, flavour, device)
         for layer in layers:
             layer.kernel = plan
-        logger.info("weight-only %s (%d layers): %s (%s)", shape.describe(), len(layers), describe_plan(plan), said)
+        logger.info("weight-only %s (%d linear layers): %s (%s)", shape.describe(), len(layers), describe_plan(plan), said)
     graphdef, params = nnx.split(module)
     if requested == "auto":
         logger.info("weight-only quantized products chosen in %.1fs", time.perf_counter() - start)
