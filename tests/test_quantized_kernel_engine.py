@@ -107,9 +107,8 @@ def test_auto_on_a_gpu_times_each_shape_and_bisects_the_rows(stories_int8, monke
         model = kernel_choice.choose_linear_kernels(stories_int8.model, "auto", "gpu", (1, 2, 4, 8, 16, 32, 64, 128))
     plans = kernel_plans(model)
     mlp = KernelPlan("triton", (8, 64), (True, False))
-    for path, plan in plans.items():
-        assert plan == (mlp if path.endswith(("gate_proj", "up_proj", "down_proj")) else
-                        KernelPlan("triton", (64,), (False,))), path
+    for path, plan in plans.items():  # the attention's products: XLA's at every row count, so no plan
+        assert plan == (mlp if path.endswith(("gate_proj", "up_proj", "down_proj")) else None), path
     assert mlp.runs_kernel(1) and mlp.runs_kernel(8) and not mlp.runs_kernel(9) and not mlp.runs_kernel(128)
     # Four shapes (q/o 64x64, k/v 64x32, gate/up 64x172, down 172x64); rows 1..64 (128 is a prefill's).
     # Agreeing ends settle a shape in two timings; the MLP's bisect: 1 and 64 disagree, 8 and 16 find the edge.

@@ -208,9 +208,10 @@ def choose_linear_kernels(model: ShardedModel, requested: str, platform: str, to
             plan, said = KernelPlan(flavour, (MAX_ROWS,), (True,), interpret), "--quantized-matmul pallas"
         else:
             plan, said = measured_plan(shape, rows, flavour, device)
-        for layer in layers:
-            layer.kernel = plan
-        logger.info("weight-only %s (%d linear layers): %s (%s)", shape.describe(), len(layers), describe_plan(plan), said)
+        for layer in layers:  # a plan that never runs the kernel is no plan: the program stays XLA's alone
+            layer.kernel = plan if any(plan.kernel) else None
+        logger.info("weight-only %s (%d linear layers): %s (%s)", shape.describe(), len(layers), describe_plan(plan),
+                    said)
     graphdef, params = nnx.split(module)
     if requested == "auto":
         logger.info("weight-only quantized products chosen in %.1fs", time.perf_counter() - start)
