@@ -169,9 +169,12 @@ def test_groups_the_triton_kernel_cannot_tile_are_refused():
 # ---- compiled for the chips ---------------------------------------------------------------------------
 
 # One shape per variant the engine runs: per-channel int8 at one row (Triton: split K), int4 groups of 128 at
-# 16 rows, uint4 groups of 32 with zero points at 64 rows (Mosaic: a step over 32 groups), all bf16 x.
-VARIANTS = {"int8-channel": (1, Layout("int8", 4096, 4096)), "int4-g128": (16, Layout("int4", 4096, 2048, 128)),
-            "uint4-g32": (64, Layout("uint4", 2048, 4096, 32))}
+# 16 rows, uint4 groups of 32 with zero points at 64 rows (Mosaic: a step over 32 groups), bf16 x; and a
+# float32 model's int8 groups of 128 (compressed-tensors' group layout; full-precision dots).
+VARIANTS = {"int8-channel": (1, Layout("int8", 4096, 4096), "bfloat16"),
+            "int4-g128": (16, Layout("int4", 4096, 2048, 128), "bfloat16"),
+            "uint4-g32": (64, Layout("uint4", 2048, 4096, 32), "bfloat16"),
+            "int8-g128-f32": (8, Layout("int8", 2048, 2048, 128), "float32")}
 CHIPS = {"h100": ("triton", 227 << 10), "h200": ("triton", 227 << 10), "v5e-1": ("mosaic", 128 << 20),
          "v6e-1": ("mosaic", 128 << 20)}
 
@@ -180,9 +183,9 @@ def compile_for(target: str, variant: str, dump_dir):
     """The variant's kernel compiled for `target`, XLA's dump (the thunk sequence) in `dump_dir`."""
     from sharding.chips import parse_target
     from sharding.compile_only import compile_devices
-    rows, layout = VARIANTS[variant]
+    rows, layout, dtype = VARIANTS[variant]
     weight = jax.eval_shape(lambda: random_weight(layout))
-    x = jax.ShapeDtypeStruct((rows, layout.k), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((rows, layout.k), dtype)
     with jax.default_device(compile_devices(parse_target(target))[0]):
         lowered = jax.jit(KERNELS[CHIPS[target][0]]).lower(x, *weight)
         return lowered.compile(compiler_options={"xla_dump_to": str(dump_dir)})
@@ -201,7 +204,7 @@ def kernel_memory(target: str, compiled, dump_dir) -> int:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("target", list(CHIPS))
 def test_compiles_for_the_chip(target, variant, tmp_path):
-    rows, layout = VARIANTS[variant]
+    rows, layout, _ = VARIANTS[variant]
     compiled = compile_for(target, variant, tmp_path)
     text = compiled.as_text()
     kernel = "__gpu$xla.gpu.triton" if CHIPS[target][0] == "triton" else "tpu_custom_call"
