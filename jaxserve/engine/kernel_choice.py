@@ -122,30 +122,32 @@ def _random_weights(shape: LinearShape, copies: int, seed: int = 0) -> list[Quan
     return jax.jit(lambda key: [one(k) for k in jax.random.split(key, copies)])(jax.random.key(seed))
 
 
-def time_products(shape: LinearShape, rows: int, flavour: str, device, interpret: bool = False) -> tuple[float, float]:
-    """Seconds one product of `rows` rows takes on `device`: (XLA's, the kernel's; `interpret`: a CPU test's)."""
+def time_products(shape: LinearShape, rows: int, flavour: str, device, interpret: bool = False,
+                  **tiles) -> tuple[float, float]:
+    """Seconds one product of `rows` rows takes on `device`: (XLA's, the kernel's with `tiles`, default its own;
+    `interpret`: a CPU test's)."""
     weight_bytes = sum(device_bytes(a) for a in shape.abstract(1)[1:] if a is not None)
     copies = min(MAX_COPIES, max(1, -(-COLD_BYTES // weight_bytes)))
     with jax.default_device(device):
         weights = _random_weights(shape, copies)
         x = jax.random.normal(jax.random.key(1), (rows, shape.k), shape.dtype)
-        products = {"xla": lambda x, w: quantized_linear(x, w, "weight_only"),
-                    "kernel": lambda x, w: kernel_product(x, w, flavour, interpret)}
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two compilations at once
-            compiled = dict(zip(products, pool.map(
-                lambda p: jax.jit(lambda x, ws: [p(x, w) for w in ws]).lower(x, weights).compile(),
-                products.values())))
-        best = dict.fromkeys(products, math.inf)
-        for program in compiled.values():
-            jax.block_until_ready(program(x, weights))
-        for _ in range(ROUNDS):  # alternating, so a slow spell of the device meets both
-            for name, program in compiled.items():
-                start = time.perf_counter()
-                for _ in range(CALLS):
-                    out = program(x, weights)
-                jax.block_until_ready(out)
-                best[name] = min(best[name], (time.perf_counter() - start) / (CALLS * copies))
-    del weights
+    # Committed to the device, so the programs (compiled on other threads, without the default above) run there.
+    x, weights = jax.device_put((x, weights), device)
+    products = {"xla": lambda x, w: quantized_linear(x, w, "weight_only"),
+                "kernel": lambda x, w: kernel_product(x, w, flavour, interpret, **tiles)}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two compilations at once
+        compiled = dict(zip(products, pool.map(
+            lambda p: jax.jit(lambda x, ws: [p(x, w) for w in ws]).lower(x, weights).compile(), products.values())))
+    best = dict.fromkeys(products, math.inf)
+    for program in compiled.values():
+        jax.block_until_ready(program(x, weights))
+    for _ in range(ROUNDS):  # alternating, so a slow spell of the device meets both
+        for name, program in compiled.items():
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                out = program(x, weights)
+            jax.block_until_ready(out)
+            best[name] = min(best[name], (time.perf_counter() - start) / (CALLS * copies))
     return best["xla"], best["kernel"]
 
 

@@ -43,12 +43,14 @@ class KernelPlan:
         return f"pallas-{self.flavour}" + (" (interpret)" if self.interpret else "")
 
 
-def kernel_product(x: jax.Array, weight: QuantizedWeight, flavour: str, interpret: bool = False) -> jax.Array:
-    """x [..., K] @ W [K, N] by the Pallas kernel of `flavour`, in x's dtype."""
+def kernel_product(x: jax.Array, weight: QuantizedWeight, flavour: str, interpret: bool = False,
+                   **tiles) -> jax.Array:
+    """x [..., K] @ W [K, N] by the Pallas kernel of `flavour`, in x's dtype (`tiles`: the kernel's own tile
+    options, for benchmarks; the engine takes its defaults)."""
     if flavour == "triton":
         from pallas_kernels.quantized_matmul_gpu import quantized_matmul_gpu as kernel
     else:
         from pallas_kernels.quantized_matmul_tpu import quantized_matmul_tpu as kernel
     rows = x.reshape(-1, x.shape[-1])
-    y = kernel(rows, weight.codes, weight.scales, weight.zeros, interpret=interpret)
+    y = kernel(rows, weight.codes, weight.scales, weight.zeros, interpret=interpret, **tiles)
     return y.reshape(*x.shape[:-1], y.shape[-1])
