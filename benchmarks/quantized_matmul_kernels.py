@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--codes", nargs="+", choices=list(CODE_RANGES), default=["int8", "int4", "uint4"])
+    ap.add_argument("--shapes", nargs="+", default=None, help="only these shapes (names as in SHAPES)")
     ap.add_argument("--sweep", action="store_true", help="the gate/up shape with each alternative tile too")
     ap.add_argument("--tiny", action="store_true", help="small shapes (with --interpret: a CPU dry run)")
     ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU)")
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         kernel_choice.COLD_BYTES = 1
     print(f"device: {jax.devices()[0].device_kind}, kernels: {flavour}{' (interpret)' if args.interpret else ''}")
     results = []
-    shapes = TINY if args.tiny else SHAPES
+    shapes = [s for s in (TINY if args.tiny else SHAPES) if args.shapes is None or s[0] in args.shapes]
     for codes, (name, k, n) in itertools.product(args.codes, shapes):
         shape = LinearShape(k, n, codes, 1 if codes == "int8" else k // GROUP, codes == "uint4", "bfloat16")
         reason = unsupported(shape, flavour)
