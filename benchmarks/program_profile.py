@@ -70,7 +70,7 @@ def run(a: argparse.Namespace) -> dict:
 
     from jaxserve.engine.builder import build_abstract
     from jaxserve.engine.roofline import StepWork
-    from jaxserve.engine.sizing import _compiler, _step_programs, default_parallel, device_limit
+    from jaxserve.engine.sizing import compiler_name, default_parallel, device_limit, step_programs
     from jaxserve.entrypoints.args import engine_args_from
     from jaxserve.execution.kv_budget import KVShare, page_bytes
     from jaxserve.execution.program_profile import Assumptions, profile_program
@@ -86,7 +86,7 @@ def run(a: argparse.Namespace) -> dict:
         a.model = given
         devices = compile_devices(target)
         built = build_abstract(args, devices, target.platform, device_limit(target.chip))
-        programs = _step_programs(built, args)
+        programs = step_programs(built, args)
         buckets = sorted(programs.layouts)
         bucket = a.bucket or next(b for b in buckets if b >= args.max_num_seqs)
         if bucket not in programs.layouts:
@@ -112,7 +112,7 @@ def run(a: argparse.Namespace) -> dict:
     written = bucket if bucket > args.max_num_seqs else layout.seqs
     minimum = {"weights": work.dense_bytes + int(work.expert_bytes * work.expert_fraction(written)),
                "kv_read": layout.seqs * context * kv_per_token, "kv_written": written * kv_per_token}
-    return report(a, target, built, args, profile, minimum, bucket, layout.seqs, context, _compiler(target))
+    return report(a, target, built, args, profile, minimum, bucket, layout.seqs, context, compiler_name(target))
 
 
 def report(a, target, built, args, profile, minimum: dict, bucket: int, sequences: int, context: int,
@@ -131,6 +131,7 @@ def report(a, target, built, args, profile, minimum: dict, bucket: int, sequence
         "target": target.name, "chip": target.chip.description, "platform": profile.platform, "compiler": compiler,
         "model": str(a.model), "model_type": built.model_config.model_type, "layers": profile.layers,
         "dtype": jnp.dtype(built.dtype).name, "quantization": quantization and quantization.codes,
+        "quantization_strategy": quantization and quantization.strategy,
         "kv_cache_dtype": args.kv_cache_dtype, "layer_loop": "scan" if profile.loop_trips else "unroll",
         "bucket": bucket, "sequences": sequences, "context": context, "branches": a.branches,
         "kernels": step["kernels"], "kernels_per_layer": profile.kernels_per_layer(),
@@ -144,7 +145,7 @@ def report(a, target, built, args, profile, minimum: dict, bucket: int, sequence
         "flagged": [{"kernel": k.name, "layer": k.layer, "runs": k.runs, "flags": k.flags} for k in profile.kernels
                     if k.flags],
         "skipped_branches": profile.skipped,
-        "kernel_list": [{"name": k.name, "kind": k.kind, "layer": k.layer, "bytes_in": k.bytes_in,
+        "kernel_list": [{"name": k.name, "kind": k.kind, "opcode": k.opcode, "layer": k.layer, "bytes_in": k.bytes_in,
                          "bytes_out": k.bytes_out, "flops": k.flops, "seconds": k.seconds, "runs": k.runs,
                          "in_command_buffer": None if profile.platform != "gpu" else k.command_buffer is not None,
                          "command_buffer": k.command_buffer, "where": k.where, "notes": k.notes, "flags": k.flags}
@@ -155,12 +156,12 @@ def report(a, target, built, args, profile, minimum: dict, bucket: int, sequence
 def render(r: dict, a: argparse.Namespace) -> str:
     gb, ms = (lambda n: f"{n / 1e9:.3f} GB"), (lambda s: f"{s * 1e3:.3f} ms")
     gpu = r["platform"] == "gpu"
-    quant = f", {r['quantization']} weights" if r["quantization"] else ""
+    quant = f", {r['quantization']} weights ({r['quantization_strategy']})" if r["quantization"] else ""
     kv = r["dtype"] if r["kv_cache_dtype"] == "auto" else r["kv_cache_dtype"]
     loop = "under lax.scan" if r["layer_loop"] == "scan" else "unrolled"
     lines = [f"{Path(r['model']).name} ({r['model_type']}, {r['layers']} layers {loop}, {r['dtype']}{quant}, KV {kv}) "
              f"on {r['target']} ({r['chip']}), {r['compiler']}",
-             f"program: token bucket {r['bucket']}; attention counted as {r['sequences']} sequences x {r['context']} "
+             f"program: token bucket {r['bucket']}; attention counted as {r['sequences']} sequence{'s' * (r['sequences'] != 1)} x {r['context']} "
              f"tokens of KV read; roofline {r['bandwidth_bytes_s'] / 1e12:.2f} TB/s, "
              f"{r['peak_flops'] / 1e12:.0f} TFLOP/s", ""]
     head = "| | kernels | " + ("host-launched | command buffers | " if gpu else "") + "bytes | est. time |"
@@ -196,6 +197,9 @@ def render(r: dict, a: argparse.Namespace) -> str:
     lines.append("by kind (kernels, bytes, share of the time): " + "; ".join(
         [f"{name} {v['kernels']:g} ({gb(v['bytes'])}, {share(v):.0%})" for name, v in kinds if share(v) >= 0.005]
         + ([f"others {sum(v['kernels'] for v in rest):g} ({gb(sum(v['bytes'] for v in rest))})"] if rest else [])))
+    if not gpu:
+        parts = tpu_parts(r["kernel_list"])
+        lines.append("TPU program, a step: " + ", ".join(f"{n:g} {what}" for what, n in parts.items()))
     if r["skipped_branches"]:
         skipped = r["skipped_branches"]
         lines.append(f"conditionals: each counted by its {r['branches']} branch; {len(skipped)} other branch(es) not "
@@ -205,8 +209,9 @@ def render(r: dict, a: argparse.Namespace) -> str:
         flags.setdefault("; ".join(f["flags"]), []).append(f)
     for flag, found in flags.items():
         names = [f["kernel"] for f in found]
-        lines.append(f"!! {flag}: {sum(f['runs'] for f in found)} a step, in layers "
-                     f"{','.join(dict.fromkeys(f['layer'] for f in found))}: {', '.join(names[:4])}"
+        where = ",".join(dict.fromkeys(f["layer"] for f in found))
+        where = "the layer loop" if where == "layers" else f"layers {where}"
+        lines.append(f"!! {flag}: {sum(f['runs'] for f in found)} a step, in {where}: {', '.join(names[:4])}"
                      + (f" and {len(names) - 4} more" if len(names) > 4 else ""))
     rows = [[k] for k in r["kernel_list"]] if a.all else busiest(r["kernel_list"])[:a.top]
     lines += ["", "every kernel in launch order:" if a.all else
@@ -223,6 +228,17 @@ def render(r: dict, a: argparse.Namespace) -> str:
                      f"{k['flops'] / 1e9:.2f} | {count} | {span} | {graph}{k['name']} ({k['kind']}) | "
                      f"{'; '.join(filter(None, [k['where'], *k['notes'], *k['flags']]))} |")
     return "\n".join(lines) + "\n"
+
+
+def tpu_parts(kernels: list[dict]) -> dict[str, float]:
+    """A TPU step's kernels by what runs them: XLA's fusions, Mosaic kernels, copies, DMAs into VMEM, the rest."""
+    part = lambda op: ("fusions" if op == "fusion" else "Mosaic calls" if op == "custom-call:tpu_custom_call" else
+                       "copies" if op.startswith("copy") else "asynchronous slices (DMAs)" if op.endswith("slice-start")
+                       else "other ops")
+    found = dict.fromkeys(["fusions", "Mosaic calls", "copies", "asynchronous slices (DMAs)", "other ops"], 0)
+    for k in kernels:
+        found[part(k["opcode"])] += k["runs"]
+    return found
 
 
 def busiest(kernels: list[dict]) -> list[list[dict]]:

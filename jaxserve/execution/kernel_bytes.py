@@ -54,6 +54,7 @@ class Kernel:
     notes: list[str] = dataclasses.field(default_factory=list)
     flags: list[str] = dataclasses.field(default_factory=list)  # what no step should do: whole KV pools moved
     weights: list[int] = dataclasses.field(default_factory=list)  # indices into the parameter paths
+    opcode: str = ""  # its HLO opcode; a custom call's target after a colon ("custom-call:tpu_custom_call")
 
     @property
     def bytes(self) -> int:
@@ -83,7 +84,9 @@ class KernelMeter:
         if located is None:  # a thunk XLA made without an instruction of its own
             return Kernel(name, thunk_kind, 0, 0, 0.0, 0.0, notes=["not in the HLO: bytes unknown"])
         computation, i = located
-        kernel = Kernel(name, _KINDS.get(i.opcode, i.opcode), 0, 0, 0.0, 0.0)
+        target = i.attr("custom_call_target") if i.opcode == "custom-call" else None
+        kernel = Kernel(name, _KINDS.get(i.opcode, i.opcode), 0, 0, 0.0, 0.0,
+                        opcode=f"{i.opcode}:{target}" if target else i.opcode)
         kernel.bytes_in, kernel.bytes_out = self._bytes(computation, i, kernel)
         kernel.flops = self._flops(i)
         if kernel.kind == "attention":
