@@ -179,7 +179,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     built = build_abstract(args, devices, target.platform, limit)
     buckets = _buckets(built, programs)
     tracker = progress(len(buckets)) if progress else None
-    compiled = compile_programs(_step_programs(built, args), buckets, target, tracker)
+    compiled = compile_programs(step_programs(built, args), buckets, target, tracker)
     plan_ = built.model.plan
     share = KVShare.of(built.model_config, plan_)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or built.dtype
@@ -196,7 +196,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     heads = c.num_heads // plan_.tp
     work = StepWork.of(built.model.params, c, target.chip, per_token, plan_.layers_per_stage, heads, plan_.pp)
     plan = Plan(target, args, built, compiled, footprint, limit, per_token, capacity, utilization, work,
-                _compiler(target), [])
+                compiler_name(target), [])
     if not plan.fits:
         plan.advice = advice(plan)
     return plan
@@ -214,7 +214,7 @@ def _buckets(built: BuiltModel, programs: str) -> list[int]:
     return chosen
 
 
-def _step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
+def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
     """The step programs serving `args` would compile: LoRA slots and draft verification included."""
     lora = None if not args.enable_lora else LoRASlots.abstract_stack(
         built.model_config, args.max_loras, args.max_lora_rank, built.dtype, built.model.plan)
@@ -254,7 +254,7 @@ def _capacity(built: BuiltModel, args: EngineArgs, share: KVShare, page_dtype, f
     return (budget.num_pages - 1) * args.page_size
 
 
-def _compiler(target: Target) -> str:
+def compiler_name(target: Target) -> str:
     if target.chip.is_tpu:
         version = _version("libtpu")
         return f"libtpu {version} (XLA:TPU and Mosaic, compile-only) for {target.topology}"
