@@ -167,7 +167,7 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     dtype = resolve_dtype(args.dtype, config, platform)
     config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
                               args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
-                              args.quantize_embedding)
+                              args.quantize_embedding, platform)
     model = abstract_weights(config, dtype, plan)
     built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
                           free_bytes=device_limit - bytes_per_device(model.params))

@@ -129,6 +129,7 @@ class Plan:
             "parallel": {"tensor": self.built.model.plan.tp, "pipeline": self.built.model.plan.pp},
             "dtype": jax.numpy.dtype(self.built.dtype).name,
             "quantization": c.linear_quantization and c.linear_quantization.codes,
+            "quantization_strategy": c.linear_quantization and c.linear_quantization.strategy,
             "kv_cache_dtype": self.args.kv_cache_dtype,
             "max_model_len": self.built.scheduler_config.max_model_len,
             "max_num_seqs": self.args.max_num_seqs,
@@ -283,7 +284,7 @@ def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_par
     dtype = resolve_dtype(dtype_flag, config, target.platform)
     requested, strategy, lm_head, embedding = quantization
     config = quantized_config(config, requested, checkpoint_quantization(model_dir), strategy, lm_head,
-                              stored_quantization(model_dir), embedding)
+                              stored_quantization(model_dir), embedding, target.platform)
     weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
     return config, dtype, weights, KVShare.of(config, plan_)
 
