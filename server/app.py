@@ -40,7 +40,9 @@ from jaxserve.entrypoints.async_engine import AsyncEngine, EngineDeadError, Toke
 from jaxserve.outputs import RequestOutput
 from jaxserve import __version__
 from jaxserve.builtin_models import describe as describe_model
+from jaxserve.lora.adapter import LoRAError
 from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from jaxserve.scheduling.validation import CheckedRequest
 from jaxserve.text.chat_template import ChatTemplateError
 from server import playground
 from server.guards import RequestGuard
@@ -170,15 +172,15 @@ class OpenAIServer:
         return ids[-keep:] if keep else ids
 
     def check_and_build(self, body, prompt_ids: list[list[int]], max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None, reasoning_end: str | None = None) -> list[SamplingParams]:
-        """Context-length checks and SamplingParams per prompt; raises APIError before any submission.
+                        prompt_logprobs: int | None = None, reasoning_end: str | None = None) -> list[CheckedRequest]:
+        """Context-length checks, SamplingParams per prompt and the engine's check of each (the one check: the
+        engine queues what it returns as it is); raises APIError before any submission.
         `max_tokens` None: the model's default (generation_config), else up to the context length.
         `reasoning_end`: the reply thinks first, and an output constraint applies after this text."""
         limit = self.engine.scheduler_config.max_model_len
-        params = []
+        lora = self.lora_for(body.model)
+        checked = []
         for ids in prompt_ids:
-            if not ids:
-                raise APIError(400, "prompt is empty", param="prompt")
             wanted = max_tokens if max_tokens is not None else self.options.sampling_defaults.get("max_tokens")
             wanted = wanted if wanted is not None else limit - len(ids)
             if len(ids) + wanted > limit:
@@ -197,12 +199,12 @@ class OpenAIServer:
                 if reasoning_end is not None and p.structured_outputs is not None:
                     p = dataclasses.replace(p, structured_outputs=dataclasses.replace(
                         p.structured_outputs, reasoning_end=reasoning_end))
-                p = self.seeded(p)
-                self.engine.validate(ids, p, body.priority)
+                checked.append(self.engine.check_request(ids, self.seeded(p), body.priority, lora))
             except InvalidParameter as e:
                 raise APIError(400, str(e), param=e.param) from None
-            params.append(p)
-        return params
+            except LoRAError as e:  # the adapter's files, read now, cannot be served
+                raise APIError(400, str(e), param="model", code="invalid_lora_adapter") from None
+        return checked
 
     def seeded(self, params: SamplingParams) -> SamplingParams:
         """A request without a seed gets the next one of the server's --seed sequence (unchanged without it)."""
@@ -247,20 +249,19 @@ class OpenAIServer:
         else the body's `request_id`, else a fresh one."""
         return f"{prefix}-{self.chosen_id(request) or body.request_id or uuid.uuid4().hex}"
 
-    async def results(self, request: Request, prompt_ids, params, texts, response_id: str,
-                      priority: int = 0, model: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def results(self, request: Request, checked: list[CheckedRequest], texts,
+                      response_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run all prompts concurrently; yield (prompt index, output) as outputs arrive (each output names its
-        choice), under the LoRA adapter `model` names, if it names one. Aborts on disconnect. The caller has admitted every choice of every prompt; they are
+        choice). Aborts on disconnect. The caller has admitted every choice of every prompt; they are
         released here when this generator ends. The engine ids are fresh, or — when the client chose the
         response's id (--enable-request-id-headers) — start with it, so the logs carry it, followed by a
         random part as vLLM adds one: the engine keys its state by id, and two requests may carry the same."""
-        lora = self.lora_for(model)
         base = f"{response_id}-{uuid.uuid4().hex[:8]}" if self.chosen_id(request) else uuid.uuid4().hex
-        request_ids = [f"{base}-{i}" for i in range(len(prompt_ids))]
+        request_ids = [f"{base}-{i}" for i in range(len(checked))]
         merged: asyncio.Queue = asyncio.Queue()
-        timers = [TokenTimer() for _ in prompt_ids]
-        for ids in prompt_ids:
-            self.metrics.prompt_tokens.inc(len(ids))
+        timers = [TokenTimer() for _ in checked]
+        for c in checked:
+            self.metrics.prompt_tokens.inc(len(c.prompt_ids))
         self._live.update(request_ids)
 
         def account(i: int, out: RequestOutput) -> None:
@@ -272,24 +273,22 @@ class OpenAIServer:
         watcher = self.abort_on_disconnect(request, request_ids)
         pumps: list[asyncio.Task] = []
         try:
-            if len(prompt_ids) == 1:  # the common case: no fan-in, one task and one queue less per token
-                async for out in self.async_engine.generate(prompt_ids[0], params[0], request_ids[0], texts[0],
-                                                            priority, lora):
+            if len(checked) == 1:  # the common case: no fan-in, one task and one queue less per token
+                async for out in self.async_engine.generate(checked[0], request_ids[0], texts[0]):
                     account(0, out)
                     yield 0, out
                 return
 
             async def pump(i: int):
                 try:
-                    async for out in self.async_engine.generate(prompt_ids[i], params[i], request_ids[i], texts[i],
-                                                                priority, lora):
+                    async for out in self.async_engine.generate(checked[i], request_ids[i], texts[i]):
                         account(i, out)
                         await merged.put((i, out))
                 except Exception as e:  # surfaced to the handler through the queue
                     await merged.put((i, e))
 
-            pumps = [asyncio.create_task(pump(i)) for i in range(len(prompt_ids))]
-            remaining = sum(p.n for p in params)  # every choice of every prompt finishes once
+            pumps = [asyncio.create_task(pump(i)) for i in range(len(checked))]
+            remaining = sum(c.params.n for c in checked)  # every choice of every prompt finishes once
             while remaining:
                 i, item = await merged.get()
                 if isinstance(item, Exception):
@@ -302,7 +301,7 @@ class OpenAIServer:
             for task in pumps:
                 task.cancel()
             self._live.difference_update(request_ids)
-            self.in_flight -= sum(p.n for p in params)
+            self.in_flight -= sum(c.params.n for c in checked)
 
     def abort_on_disconnect(self, request: Request, request_ids: list[str]) -> asyncio.Task:
         """A task that aborts the engine requests once the client goes away (cancel it when they are done)."""

@@ -33,8 +33,8 @@ from server.responses import (Usage, chat_logprobs, event_stream, prompt_logprob
 
 
 async def prepare_chat(api, body: ChatCompletionRequest) -> tuple[str, list[list[int]], list, Replies]:
-    """Everything before the engine, for a parsed chat request: (prompt text, prompt ids, settings, how the
-    replies read). The caller has admitted body.n requests. Raises APIError."""
+    """Everything before the engine, for a parsed chat request: (prompt text, prompt ids, the checked engine
+    requests, how the replies read). The caller has admitted body.n requests. Raises APIError."""
     if body.tool_mode == "auto" and body.tools:
         if not api.options.tool_call_parser:
             raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started '
@@ -56,9 +56,9 @@ async def prepare_chat(api, body: ChatCompletionRequest) -> tuple[str, list[list
     replies = Replies(body, api.options.tool_call_parser, api.reasoning, text)
     # Off the event loop: a new structured-output grammar is compiled here. While the reply thinks, the
     # grammar waits for the end of the thinking.
-    params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs, None,
-                                     END if replies.thinking else None)
-    return text, prompt_ids, params, replies
+    checked = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs, None,
+                                      END if replies.thinking else None)
+    return text, prompt_ids, checked, replies
 
 
 async def chat_route(api, request: Request) -> Response:
@@ -68,10 +68,10 @@ async def chat_route(api, request: Request) -> Response:
         body: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
         api.admit(body.n)
         admitted = body.n
-        text, prompt_ids, params, replies = await prepare_chat(api, body)
+        text, prompt_ids, checked, replies = await prepare_chat(api, body)
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
-    logprobs = params[0].logprobs
+    logprobs = checked[0].params.logprobs
     last = body.messages[-1]
     prefix = last.text if body.echo and last.role == "assistant" else ""
     token_str = api.engine.tokenizer.token_str
@@ -83,7 +83,7 @@ async def chat_route(api, request: Request) -> Response:
 
     envelope = {"id": api.response_id(request, body, "chatcmpl"), "created": int(time.time()),
                 "model": api.served_name(body.model)}
-    results = api.results(request, prompt_ids, params, [text], envelope["id"], body.priority, body.model)
+    results = api.results(request, checked, [text], envelope["id"])
     usage = Usage(prompt_ids)
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}

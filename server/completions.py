@@ -41,7 +41,7 @@ async def completions_route(api, request: Request) -> Response:
                          body.truncate_prompt_tokens) for p in prompts])
         score_only = body.echo and body.max_tokens == 0
         # Off the event loop: a new structured-output grammar is compiled here.
-        params = await run_in_threadpool(api.check_and_build, body, prompt_ids,
+        checked = await run_in_threadpool(api.check_and_build, body, prompt_ids,
                                          1 if score_only else body.max_tokens, body.logprobs,
                                          body.logprobs if body.echo else None)
         echoes = None
@@ -54,7 +54,7 @@ async def completions_route(api, request: Request) -> Response:
     texts = [p if isinstance(p, str) else None for p in prompts]
     envelope = {"id": api.response_id(request, body, "cmpl"), "object": "text_completion",
                 "created": int(time.time()), "model": api.served_name(body.model)}
-    results = api.results(request, prompt_ids, params, texts, envelope["id"], body.priority, body.model)
+    results = api.results(request, checked, texts, envelope["id"])
     usage = Usage(prompt_ids)
     if body.stream:
         return event_stream(_events(view, results, usage, envelope), request_id_of(request))

@@ -6,7 +6,7 @@
    default); `dimensions` only where the model is Matryoshka (else a 400 naming it); vLLM's
    `truncate_prompt_tokens`, `add_special_tokens` and `normalize`. Other vLLM fields are refused by name.
 2. Every input is admitted against the queue limit, tokenized on a worker thread and checked by the
-   engine (`Engine.validate_pooling`) before any is queued; then all run at once, batched by the engine
+   engine (`Engine.check_pooling`, the one check) before any is queued; then all run at once, batched by the engine
    with whatever else is running, and the answer lists them in input order with the prompt tokens as
    usage. A client that disconnects aborts what is left.
 """
@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxserve.engine.pooling_requests import CheckedPooling
 from jaxserve.entrypoints.async_engine import EngineDeadError, TokenTimer
 from jaxserve.errors import InvalidParameter
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
@@ -116,13 +117,12 @@ async def embeddings_route(api, request: Request) -> Response:
             _truncate(api, tok.encode(p, special) if isinstance(p, str) else list(p),
                       body.truncate_prompt_tokens) for p in inputs])
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
-        for ids in prompt_ids:
-            _check(api, ids, params)
+        checked = [_check(api, ids, params) for ids in prompt_ids]
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
     texts = [p if isinstance(p, str) else None for p in inputs]
     try:
-        outputs = await _run_all(api, request, prompt_ids, params, texts)
+        outputs = await _run_all(api, request, checked, texts)
     except EngineDeadError:
         return error_response(internal_error(request_id_of(request)))
     finally:
@@ -146,7 +146,8 @@ def _truncate(api, ids: list[int], keep: int | None) -> list[int]:
     return ids[-keep:] if keep else ids
 
 
-def _check(api, ids: list[int], params: PoolingParams) -> None:
+def _check(api, ids: list[int], params: PoolingParams) -> CheckedPooling:
+    """The engine's check of one input (the one check: the engine queues what it returns as it is)."""
     limit = api.engine.scheduler_config.max_model_len
     if len(ids) > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -154,28 +155,27 @@ def _check(api, ids: list[int], params: PoolingParams) -> None:
                             f"of the input (or set truncate_prompt_tokens).", param="input",
                        code="context_length_exceeded")
     try:
-        api.engine.validate_pooling(ids, params)
+        return api.engine.check_pooling(ids, params)
     except InvalidParameter as e:
         raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param) from None
 
 
-async def _run_all(api, request: Request, prompt_ids: list[list[int]], params: PoolingParams,
-                   texts: list[str | None]) -> list:
+async def _run_all(api, request: Request, checked: list[CheckedPooling], texts: list[str | None]) -> list:
     """Every input at once (the engine batches them); aborts what is left when the client goes away."""
-    request_ids = [f"embd-{uuid.uuid4().hex}-{i}" for i in range(len(prompt_ids))]
-    for ids in prompt_ids:
-        api.metrics.prompt_tokens.inc(len(ids))
+    request_ids = [f"embd-{uuid.uuid4().hex}-{i}" for i in range(len(checked))]
+    for c in checked:
+        api.metrics.prompt_tokens.inc(len(c.prompt_ids))
     api._live.update(request_ids)  # abort_all (the end of a shutdown's grace period) ends them too
     watcher = api.abort_on_disconnect(request, request_ids)
 
-    async def one(ids: list[int], rid: str, text: str | None):
+    async def one(c: CheckedPooling, rid: str, text: str | None):
         timer = TokenTimer()
-        out = await api.async_engine.embed(ids, params, rid, text)
+        out = await api.async_engine.embed(c, rid, text)
         api.metrics.observe_request(timer, out)  # request count, end-to-end and queue time, prompt length
         return out
 
     try:
-        return await asyncio.gather(*(one(ids, rid, text) for ids, rid, text in zip(prompt_ids, request_ids, texts)))
+        return await asyncio.gather(*(one(c, rid, text) for c, rid, text in zip(checked, request_ids, texts)))
     finally:
         watcher.cancel()
         api._live.difference_update(request_ids)

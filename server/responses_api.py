@@ -59,13 +59,13 @@ async def responses_route(api, request: Request) -> Response:
             raise validation_error(e) from None
         api.admit(1)
         admitted = 1
-        text, prompt_ids, params, replies = await prepare_chat(api, chat)
+        text, prompt_ids, checked, replies = await prepare_chat(api, chat)
     except APIError as e:
         return api.fail_before_engine(admitted, _renamed(e))
     except BaseException as e:
         return api.fail_before_engine(admitted, e)
-    run = _Run(api, body, conversation, params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
-    results = api.results(request, prompt_ids, params, [text], run.id, chat.priority, body.model)
+    run = _Run(api, body, conversation, checked[0].params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
+    results = api.results(request, checked, [text], run.id)
     if body.stream:
         return StreamingResponse(_events(run, results, request_id_of(request)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -133,7 +133,7 @@ class _Run:
 
     def __init__(self, api, body: ResponsesRequest, conversation: list[dict], params, replies, usage: Usage,
                  events: Events):
-        self.api, self.body, self.conversation, self.params = api, body, conversation, params[0]
+        self.api, self.body, self.conversation, self.params = api, body, conversation, params
         self.id, self.created = new_id("resp"), int(time.time())
         self.reader = replies.stream()
         self.items = OutputItems(events)
