@@ -45,21 +45,22 @@ from jaxserve.sampling.params import InvalidParameter, SamplingParams
 from jaxserve.scheduling.validation import CheckedRequest
 from jaxserve.text.chat_template import ChatTemplateError
 from server import playground
-from server.guards import RequestGuard
-from server.metrics import Metrics
+from server.http.guards import RequestGuard
+from server.serving.metrics import Metrics
 from server.openapi import openapi_document
 from server.options import ServerOptions
-from server.protocol import ChatCompletionRequest, error_body
-from server.chat import chat_route
-from server.lora_routes import lora_routes
-from server.responses import model_card
-from server.completions import completions_route
-from server.embeddings import embeddings_route, runner_route
-from server.errors import APIError, check_strings, error_response, internal_error, request_id_of, validation_error
-from server.reasoning import ReasoningParser
-from server.response_store import ResponseStore
-from server.responses_api import delete_response_route, get_response_route, responses_route
-from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
+from server.openai.protocol import ChatCompletionRequest
+from server.openai.chat import chat_route
+from server.openai.adapters import lora_routes
+from server.openai.output_json import model_card
+from server.openai.completions import completions_route
+from server.openai.embeddings import embeddings_route, runner_route
+from server.http.errors import (APIError, check_strings, error_body, error_response, internal_error, request_id_of,
+                                validation_error)
+from server.replies.reasoning import ReasoningParser
+from server.responses.store import ResponseStore
+from server.responses.routes import delete_response_route, get_response_route, responses_route
+from server.openai.tokenize import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 

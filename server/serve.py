@@ -1,6 +1,6 @@
 """Run the server: uvicorn around the app, with this project's shutdown and failure policy.
 
-1. `serve` binds the port (`listen.py`: a port in use is refused before anything loads), turns on JAX's
+1. `serve` binds the port (`http/listen.py`: a port in use is refused before anything loads), turns on JAX's
    persistent compilation cache, starts the engine thread (weights and warm-up load in the background
    while `/health` says 503) and runs uvicorn on the bound sockets until told to stop.
 2. SIGTERM or SIGINT: stop accepting connections and new requests (503), let running requests finish
@@ -25,8 +25,8 @@ from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from jaxserve.pooling.config import resolve_runner
 from server.app import build_app
-from server.http_protocol import uvicorn_config
-from server.listen import listen
+from server.http.connection import uvicorn_config
+from server.http.listen import listen
 from server.options import ServerOptions
 
 logger = logging.getLogger(__name__)

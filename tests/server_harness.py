@@ -13,7 +13,7 @@ import uvicorn
 from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
-from server.http_protocol import uvicorn_config
+from server.http.connection import uvicorn_config
 from server.options import ServerOptions
 
 

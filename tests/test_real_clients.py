@@ -29,8 +29,8 @@ from pydantic import BaseModel, Field
 from jaxserve.engine_args import EngineArgs
 from jaxserve.sampling.grammar import StructuredOutputsParams
 from server.options import DEFAULT_MAX_HEADER_BYTES, ServerOptions
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import tool_choice_spec
+from server.openai.protocol import ChatCompletionRequest
+from server.tools.calls import tool_choice_spec
 from tests.memory_probe import memory
 from tests.server_harness import SHARED_ENGINE, running_server
 

@@ -26,8 +26,8 @@ from jaxserve.entrypoints.args import engine_args_from
 from jaxserve.entrypoints.cli import build_parser, main
 from server.cli import server_options_from
 from server.app import build_app
-from server.metrics import VLLM_NAMES
-from server.http_protocol import uvicorn_config
+from server.serving.metrics import VLLM_NAMES
+from server.http.connection import uvicorn_config
 from tests.server_harness import free_port
 
 KEY = "k3y"

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from server.errors import APIError, error_response
+from server.http.errors import APIError, error_response
 
 
 def lora_routes(api) -> list[Route]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.protocol import ChatMessage, UnsupportedField
+from server.http.errors import UnsupportedField
+from server.openai.protocol import ChatMessage
 
 
 class TokenizeRequest(BaseModel):

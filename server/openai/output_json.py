@@ -6,25 +6,17 @@
    alternatives).
 3. `prompt_logprobs_json` is vLLM's extension: per prompt token `{id: {logprob, rank, decoded_token}}`.
    `model_card` is a `/v1/models` entry as vLLM writes it.
-4. `Usage` counts tokens over a response's choices; `sse` and `event_stream` write the stream.
+4. `Usage` counts tokens over a response's choices.
 With `return_tokens_as_token_ids` a token is written `token_id:N`, so tokens that are not valid text on
 their own (a UTF-8 fragment) can still be told apart.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 import uuid
-from typing import AsyncIterator
-
-from starlette.responses import StreamingResponse
 
 from jaxserve.outputs import PositionLogprobs, RequestOutput
-from server.errors import internal_error
-
-logger = logging.getLogger(__name__)
 
 
 def _name(token_id: int, text: str, as_ids: bool) -> str:
@@ -123,20 +115,3 @@ class Usage:
                 "total_tokens": self.prompt_tokens + done,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def event_stream(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
-    """SSE response; a failure once the headers are out is reported in-band, then the stream ends."""
-    async def guarded():
-        try:
-            async for event in events:
-                yield event
-        except Exception:
-            logger.exception("stream %s failed", request_id)
-            yield sse(internal_error(request_id).body)
-            yield "data: [DONE]\n\n"
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

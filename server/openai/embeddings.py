@@ -29,8 +29,9 @@ from jaxserve.engine.pooling_requests import CheckedPooling
 from jaxserve.entrypoints.async_engine import EngineDeadError, TokenTimer
 from jaxserve.errors import InvalidParameter
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
-from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
-from server.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, UnsupportedField
+from server.http.errors import (APIError, UnsupportedField, error_response, internal_error, request_id_of,
+                                validation_error)
+from server.openai.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage
 
 # vLLM fields of its embedding request that this server refuses unless they keep their default.
 _UNSUPPORTED = {

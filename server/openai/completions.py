@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
-from server.errors import error_response, internal_error, request_id_of
-from server.protocol import CompletionRequest
-from server.responses import Usage, completion_logprobs, event_stream, prompt_logprobs_json, sse
+from server.http.errors import error_response, internal_error, request_id_of
+from server.openai.protocol import CompletionRequest
+from server.http.sse import event_stream, sse
+from server.openai.output_json import Usage, completion_logprobs, prompt_logprobs_json
 
 
 async def completions_route(api, request: Request) -> Response:

@@ -6,12 +6,12 @@
    meaning); with `continue_final_message` the prompt ends inside that message, so the reply continues it.
 3. Streaming sends a role chunk per choice, its content as it becomes final, then its finish reason;
    otherwise the replies are assembled at the end.
-4. Tools (server/tool_calls.py): "required" and a named function constrain the reply to calls; "auto"
+4. Tools (server/tools/calls.py): "required" and a named function constrain the reply to calls; "auto"
    parses the free reply with the server's --tool-call-parser. Calls go out as `tool_calls`, streamed as
    argument pieces, and a reply that ended with calls ends with finish_reason "tool_calls".
 5. With --reasoning-parser the thinking goes out as `reasoning_content` (and `reasoning`, vLLM's newer
    name), apart from `content`; tools and structured outputs apply to the answer after it
-   (server/replies.py). `prepare_chat` is also the Responses API's way in (server/responses_api.py).
+   (server/replies/reader.py). `prepare_chat` is also the Responses API's way in (server/responses/routes.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
-from server.errors import APIError, error_response, internal_error, request_id_of
-from server.protocol import ChatCompletionRequest
-from server.reasoning import END
-from server.replies import Piece, Replies
-from server.responses import (Usage, chat_logprobs, event_stream, prompt_logprobs_json, sse, tool_call_delta_json,
-                              tool_call_json)
+from server.http.errors import APIError, error_response, internal_error, request_id_of
+from server.openai.protocol import ChatCompletionRequest
+from server.replies.reasoning import END
+from server.replies.reader import Piece, Replies
+from server.http.sse import event_stream, sse
+from server.openai.output_json import (Usage, chat_logprobs, prompt_logprobs_json, tool_call_delta_json,
+                                       tool_call_json)
 
 
 async def prepare_chat(api, body: ChatCompletionRequest) -> tuple[str, list[list[int]], list, Replies]:

@@ -1,17 +1,17 @@
 """`POST /v1/responses`, `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}`: OpenAI's Responses API,
 run by the chat route's code.
 
-1. Parse the body (server/responses_protocol.py), take the conversation of `previous_response_id` from
+1. Parse the body (server/responses/protocol.py), take the conversation of `previous_response_id` from
    the store (a missing one is a 404, as OpenAI answers), and translate the request into a chat request,
    which `prepare_chat` renders, tokenizes and constrains (tools, `text.format`, reasoning) exactly as
    for `/v1/chat/completions`. An error names the Responses field (`input`, `max_output_tokens`,
    `text.format`), not the chat one it came through.
 2. Run it. Each step's text goes through the chat route's reply reader (thinking, answer, tool calls) into
-   output items (server/responses_output.py). A stream sends `response.created`, `response.in_progress`,
+   output items (server/responses/output.py). A stream sends `response.created`, `response.in_progress`,
    the items' events as they grow, then `response.completed` — or `response.incomplete` when
    max_output_tokens cut the reply, `response.failed` when it was aborted; otherwise the finished
    response object comes back whole. Every event has its `sequence_number`.
-3. A finished response with `store: true` is kept with its conversation (server/response_store.py).
+3. A finished response with `store: true` is kept with its conversation (server/responses/store.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import time
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
-from server.chat import prepare_chat
-from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
-from server.protocol import ChatCompletionRequest
-from server.response_store import StoredResponse
-from server.responses import Usage, chat_logprobs
-from server.responses_output import Events, OutputItems, new_id
-from server.responses_protocol import ResponsesRequest, ToolChoiceFunction, input_messages
+from server.openai.chat import prepare_chat
+from server.http.errors import APIError, error_response, internal_error, request_id_of, validation_error
+from server.http.sse import sse_response
+from server.openai.protocol import ChatCompletionRequest
+from server.responses.store import StoredResponse
+from server.openai.output_json import Usage, chat_logprobs
+from server.responses.output import Events, OutputItems, new_id
+from server.responses.protocol import ResponsesRequest, ToolChoiceFunction, input_messages
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ async def responses_route(api, request: Request) -> Response:
     run = _Run(api, body, conversation, checked[0].params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
     results = api.results(request, checked, [text], run.id)
     if body.stream:
-        return StreamingResponse(_events(run, results, request_id_of(request)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_events(run, results, request_id_of(request)))
     try:
         async for _, out in results:
             run.add(out)

@@ -21,7 +21,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from server.options import ServerOptions
-from server.protocol import error_body
+from server.http.errors import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies (pydantic) and the error shape.
+"""OpenAI-compatible request bodies (pydantic) of the completion and chat routes.
 
 Validation happens here, before anything reaches the engine: a body that fails it is a 400 with
 `{"error": {"message", "type", "param", "code"}}`. Every field has a type and a range that the engine can
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from jaxserve.sampling.params import InvalidParameter, SamplingParams
 from jaxserve.sampling.grammar import StructuredOutputsParams
+from server.http.errors import UnsupportedField
 
 logger = logging.getLogger(__name__)
 
@@ -261,14 +262,6 @@ class _Request(BaseModel):
             cache_salt=self.cache_salt, structured_outputs=self.structured_spec())
 
 
-class UnsupportedField(ValueError):
-    """A field this server refuses by name (pydantic wraps it; the app reports `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
@@ -420,9 +413,9 @@ class ChatCompletionRequest(_Request):
         return next((t.function for t in self.tools or () if t.function.name == name), None)
 
     def structured_spec(self) -> StructuredOutputsParams | None:
-        """`required` and a named tool constrain the reply like a JSON Schema (server/tool_calls.py); that
+        """`required` and a named tool constrain the reply like a JSON Schema (server/tools/calls.py); that
         leaves no room for another constraint."""
-        from server.tool_calls import tool_choice_spec
+        from server.tools.calls import tool_choice_spec
         spec, forced = super().structured_spec(), tool_choice_spec(self)
         if spec is not None and forced is not None:
             raise InvalidParameter("tool_choice", f"tool_choice {self.tool_mode} and {spec.field} both constrain "
@@ -438,8 +431,3 @@ class ChatCompletionRequest(_Request):
         if self.tools:
             variables["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return variables
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

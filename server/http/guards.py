@@ -24,7 +24,7 @@ import re
 import uuid
 
 from server import playground
-from server.protocol import error_body
+from server.http.errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health", *playground.PAGE_PATHS})
 # The playground's files, by name (no folders, no dots but the extension's): the page needs them before it

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.errors import APIError
-from server.protocol import INT32_MAX, FunctionDefinition, UnsupportedField
+from server.http.errors import APIError, UnsupportedField
+from server.openai.protocol import INT32_MAX, FunctionDefinition
 
 # Field -> (value that means "not used", why another value is refused).
 _UNSUPPORTED = {
