@@ -129,7 +129,7 @@ def test_a_schema_without_additional_properties_gives_exactly_its_keys_and_stops
 def test_explicit_additional_properties_loosen_the_schema(server):
     """`additionalProperties: true` keeps JSON Schema's own meaning: the grammar lets keys beyond the listed
     ones through (checked on the compiled grammar: whether a sampled model writes one is chance)."""
-    grammars = server.api.engine.grammars
+    grammars = server[1].engine.grammars
     listed = '{"name":"Max","kind":"dog","age":3}'
     extra = '{"name":"Max","kind":"dog","age":3,"toy":"ball"}'
     assert _accepts(grammars, StructuredOutputsParams(json=ANIMAL), listed)
@@ -139,7 +139,7 @@ def test_explicit_additional_properties_loosen_the_schema(server):
 
 def test_tool_parameters_are_strict_too(server):
     tools = [{"type": "function", "function": {"name": "adopt", "parameters": ANIMAL}}]
-    grammars = server.api.engine.grammars
+    grammars = server[1].engine.grammars
     for choice, listed, extra in [
             ("required", '[{"name":"adopt","parameters":{"name":"Max","kind":"dog","age":3}}]',
              '[{"name":"adopt","parameters":{"name":"Max","kind":"dog","age":3,"toy":"ball"}}]'),

@@ -107,6 +107,11 @@ class RequestGuard:
                 "invalid_request_error", None, "request_too_large")
 
 
+def client_request_id(request) -> str | None:
+    """The X-Request-Id the client sent, when it is usable as an id (see 1.); None otherwise."""
+    return request.scope.get("state", {}).get("client_request_id")
+
+
 def _route_path(scope) -> str:
     """The path the router matches: uvicorn puts --root-path in front of the path the proxy forwarded."""
     path, root = scope["path"], scope.get("root_path", "")

@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling.params import InvalidParameter, SamplingParams
 from jaxserve.sampling.grammar import StructuredOutputsParams
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from server.http.bodies import RequestBody
 from server.http.errors import UnsupportedField
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,10 @@ class StructuredOutputsBody(BaseModel):
 _GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
-class _Request(BaseModel):
+class _Request(RequestBody):
     """Fields common to both routes, in vLLM's names, types and defaults."""
     # NaN and infinities never pass: Python's JSON parser accepts them, the sampler must not see them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=64)
@@ -231,10 +232,6 @@ class _Request(BaseModel):
             raise InvalidParameter(specs[1].field, f"{specs[0].field} and {specs[1].field} both constrain the "
                                    f"output: give one")
         return specs[0] if specs else None
-
-    @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:

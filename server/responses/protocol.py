@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from server.http.bodies import RequestBody
 from server.http.errors import APIError, UnsupportedField
 from server.openai.protocol import INT32_MAX, FunctionDefinition
 
@@ -96,8 +97,8 @@ class ToolChoiceFunction(BaseModel):
     name: str
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(max_length=4096)
