@@ -241,8 +241,8 @@ def test_x_request_id_becomes_the_response_id(server, monkeypatch):
     base, async_engine = server
     engine_ids = []
     generate = async_engine.generate
-    monkeypatch.setattr(async_engine, "generate", lambda ids, params, request_id, *rest: (
-        engine_ids.append(request_id), generate(ids, params, request_id, *rest))[1])
+    monkeypatch.setattr(async_engine, "generate", lambda request, request_id, *rest: (
+        engine_ids.append(request_id), generate(request, request_id, *rest))[1])
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4},
                    headers={"X-Request-Id": "job-42/a"}, timeout=60)
     assert r.json()["id"] == "cmpl-job-42/a" and r.headers["x-request-id"] == "job-42/a"
