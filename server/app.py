@@ -32,7 +32,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.entrypoints.async_engine import AsyncEngine
-from server import playground
 from server.http.errors import APIError, error_body, error_response, internal_error, request_id_of
 from server.http.guards import RequestGuard
 from server.openai.adapters import lora_routes
@@ -43,6 +42,7 @@ from server.openai.models import models_route, version_route
 from server.openai.tokenize import detokenize_route, tokenize_route
 from server.openapi import openapi_document
 from server.options import ServerOptions
+from server.playground import routes as playground_routes
 from server.responses.routes import delete_response_route, get_response_route, responses_route
 from server.responses.store import ResponseStore
 from server.serving.context import ServingContext
@@ -86,7 +86,7 @@ def build_app(async_engine: AsyncEngine, options: ServerOptions = ServerOptions(
         Route("/tokenize", functools.partial(tokenize_route, ctx), methods=["POST"]),
         Route("/detokenize", functools.partial(detokenize_route, ctx), methods=["POST"]),
         *lora_routes(ctx),
-        *playground.routes(),
+        *playground_routes(),
     ]
 
     @contextlib.asynccontextmanager

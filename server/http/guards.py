@@ -23,13 +23,13 @@ import json
 import re
 import uuid
 
-from server import playground
 from server.http.errors import error_body
+from server.playground import ASSET_PREFIX, PAGE_PATHS
 
-PUBLIC_PATHS = frozenset({"/health", *playground.PAGE_PATHS})
+PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 # The playground's files, by name (no folders, no dots but the extension's): the page needs them before it
 # can ask for a key.
-_PUBLIC_FILE = re.compile("^" + re.escape(playground.ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
+_PUBLIC_FILE = re.compile("^" + re.escape(ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in a header, a log, JSON
 
 

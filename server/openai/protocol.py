@@ -1,9 +1,9 @@
 """OpenAI-compatible request bodies (pydantic) of the completion and chat routes.
 
-Validation happens here, before anything reaches the engine: a body that fails it is a 400 with
+A body's shape is validated here, before anything reaches the engine: a body that fails is a 400 with
 `{"error": {"message", "type", "param", "code"}}`. Every field has a type and a range that the engine can
-hold (token ids, top_k and the logprob counts are also checked against the model and the engine's fixed
-sizes by the engine, which knows them); floats must be finite.
+hold; floats must be finite. What depends on the model and the engine's fixed sizes (token ids, top_k,
+the logprob counts, a grammar) the engine checks, once per prompt (server/openai/sampling.py).
 
 Every field of vLLM's completion and chat request models is either implemented or refused by name with a
 400 (`_UNSUPPORTED`: a field that stays at its default is fine, any other value is refused); fields

@@ -3,9 +3,9 @@
 1. A handler takes its places before it tokenizes (`admit(n)`: one per choice of every prompt). Beyond
    the engine's running slots (--max-num-seqs) plus --max-queued-requests the answer is 429 with
    Retry-After; once the server drains (SIGTERM) every new request gets 503.
-2. The `Places` a request holds go back exactly once, however it ends: when its engine requests have
-   finished (the engine client releases them), or at once when it fails before reaching the engine
-   (`failed_before_engine`, which also turns the failure into its error response).
+2. The `Places` a request holds go back once: when its engine requests end (the engine client releases
+   them as its stream or batch finishes, is aborted or fails), or at once when the request fails before
+   reaching the engine (`failed_before_engine`, which also turns the failure into its error response).
 """
 
 from __future__ import annotations
