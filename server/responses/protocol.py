@@ -192,8 +192,9 @@ class ResponsesRequest(RequestBody):
         chat = {name: extra[name] for name in PASSTHROUGH if name in extra}
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         chat["messages"] = system + conversation
-        chat.update(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens,
-                    stream=bool(self.stream), parallel_tool_calls=self.parallel_tool_calls)
+        chat.update(model=self.model, temperature=self.temperature, top_p=self.top_p,
+                    max_tokens=self.max_output_tokens, stream=bool(self.stream),
+                    parallel_tool_calls=self.parallel_tool_calls)
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]
