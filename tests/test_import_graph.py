@@ -22,11 +22,11 @@ ENGINE_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
 ROOM_LEVELS = {"__init__": 10, "__main__": 10, "bench": 9, "entrypoints": 8, "engine": 7, "speculative": 6.5,
                "execution": 6, "loader": 5, "model": 4, "scheduling": 4, "sampling": 3, "lora": 3, "text": 2}
 # server's rooms and top-level modules the same way: the command line and the process on top, the app that
-# assembles the routes, the endpoints, the context the handlers are given, HTTP plumbing, the server's
-# options, and reading a model's replies at the bottom.
+# assembles the routes, the endpoints, the context the handlers are given, the playground's page, HTTP
+# plumbing, the server's options, and reading a model's replies at the bottom.
 SERVER_ROOM_LEVELS = {"__init__": 13, "cli": 12, "serve": 11, "app": 10, "openapi": 9, "responses": 8,
-                      "openai": 7, "serving": 6, "http": 5, "options": 4, "replies": 3, "tools": 2,
-                      "playground": 1}
+                      "openai": 7, "serving": 6, "playground": 5, "http": 4, "options": 3, "replies": 2,
+                      "tools": 1}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -24,12 +24,14 @@ import re
 import uuid
 
 from server.http.errors import error_body
-from server.playground import ASSET_PREFIX, PAGE_PATHS
 
-PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
-# The playground's files, by name (no folders, no dots but the extension's): the page needs them before it
-# can ask for a key.
-_PUBLIC_FILE = re.compile("^" + re.escape(ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
+# Where the web playground (server/playground/) serves its page and its files: public, since the page must
+# load before it can ask for the key. The playground takes its paths from here.
+PLAYGROUND_PAGES = ("/", "/playground")
+PLAYGROUND_FILES = "/playground/"
+PUBLIC_PATHS = frozenset({"/health", *PLAYGROUND_PAGES})
+# The playground's files, by name (no folders, no dots but the extension's).
+_PUBLIC_FILE = re.compile("^" + re.escape(PLAYGROUND_FILES) + r"[\w-]+\.(?:css|js)$")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in a header, a log, JSON
 
 

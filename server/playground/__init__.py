@@ -8,8 +8,9 @@ shipped inside the package (no CDN, no build step, nothing fetched from the netw
 2. Every URL the page uses is relative (`playground/app.js`, `v1/models`), so it works behind a reverse
    proxy that mounts the server under a prefix (`--root-path`): `/` and `/playground` both resolve them
    against the same directory.
-3. The page and its files are public even with `--api-key` (server/http/guards.py lists them): the page asks
-   for the key, keeps it in the tab (sessionStorage) and sends it as a Bearer token to the API routes.
+3. The page and its files are public even with `--api-key` (server/http/guards.py says where they live;
+   the routes here take their paths from it): the page asks for the key, keeps it in the tab
+   (sessionStorage) and sends it as a Bearer token to the API routes.
 4. The page answers with a Content-Security-Policy that allows scripts, styles and connections to this
    origin only; the scripts write model output with `textContent`, never as HTML.
 """
@@ -20,13 +21,13 @@ import hashlib
 import importlib.resources
 from dataclasses import dataclass
 
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-PAGE_PATHS = ("/", "/playground")
-ASSET_PREFIX = "/playground/"  # where the page's files live; public, like the page (server/http/guards.py)
+from server.http.errors import error_body
+from server.http.guards import PLAYGROUND_FILES as ASSET_PREFIX  # where the page's files live
+from server.http.guards import PLAYGROUND_PAGES as PAGE_PATHS  # public, like the page's files
 
 _CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
                   ".js": "text/javascript; charset=utf-8"}
@@ -78,8 +79,9 @@ async def page(request: Request) -> Response:
 
 async def asset(request: Request) -> Response:
     file = _ASSETS.get(request.path_params["name"])
-    if file is None:  # answered like any path the server does not have (the app's 404: OpenAI error JSON)
-        raise HTTPException(404)
+    if file is None:
+        return JSONResponse(error_body(f"no playground file {request.path_params['name']!r}", code="not_found"),
+                            status_code=404)
     # Only the exact version the page links to may be kept without asking again.
     versioned = request.query_params.get("v") == file.etag.strip('"')
     return _respond(request, file, _IMMUTABLE if versioned else "no-cache", {})
