@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: messages in, n assistant replies out, streamed or whole.
 
 1. Admit the request's n choices, render the chat template and tokenize on worker threads, build the
-   settings (`logprobs: true` with `top_logprobs` alternatives per token).
+   settings (`logprobs: true` with `top_logprobs` alternatives per token) and have the engine check them
+   once (server/openai/sampling.py).
 2. With `echo` and a final assistant message, every reply starts with that message's text (vLLM's
    meaning); with `continue_final_message` the prompt ends inside that message, so the reply continues it.
 3. Streaming sends a role chunk per choice, its content as it becomes final, then its finish reason;
@@ -11,7 +12,8 @@
    argument pieces, and a reply that ended with calls ends with finish_reason "tool_calls".
 5. With --reasoning-parser the thinking goes out as `reasoning_content` (and `reasoning`, vLLM's newer
    name), apart from `content`; tools and structured outputs apply to the answer after it
-   (server/replies/reader.py). `prepare_chat` is also the Responses API's way in (server/responses/routes.py).
+   (server/replies/reader.py). `prepare_chat` is also the Responses API's way in
+   (server/responses/routes.py).
 """
 
 from __future__ import annotations

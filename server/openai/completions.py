@@ -1,9 +1,10 @@
 """`POST /v1/completions`: prompts in, n choices per prompt out, streamed or whole.
 
-1. Admit every (prompt, choice) against the queue limit, tokenize on a worker thread, build the settings.
-   `echo` returns the prompt before the completion; `echo` with `max_tokens: 0` scores the prompt only
-   (one token is generated for the prefill's sake and dropped, as vLLM does), which is what evaluation
-   harnesses send with `logprobs` to get the prompt's log-probabilities.
+1. Admit every (prompt, choice) against the queue limit, tokenize on a worker thread, build the settings
+   and have the engine check each prompt once (server/openai/sampling.py). `echo` returns the prompt
+   before the completion; `echo` with `max_tokens: 0` scores the prompt only (one token is generated for
+   the prefill's sake and dropped, as vLLM does), which is what evaluation harnesses send with `logprobs`
+   to get the prompt's log-probabilities.
 2. Choice k of the response is prompt k // n, choice k % n (OpenAI's order).
 3. Streaming sends each choice's new text (and logprobs) as it becomes final, then its finish reason;
    otherwise the choices are assembled at the end.
