@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.builtin_models import describe as describe_model
 from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
+from jaxserve.engine.kernel_choice import choose_linear_kernels
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
@@ -166,7 +167,7 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     dtype = resolve_dtype(args.dtype, config, platform)
     config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
                               args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
-                              args.quantize_embedding)
+                              args.quantize_embedding, platform)
     model = abstract_weights(config, dtype, plan)
     built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
                           free_bytes=device_limit - bytes_per_device(model.params))
@@ -269,6 +270,8 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         logger.info("experts: %d per sparse layer held as separate arrays, each tile's picked by lax.switch "
                     "(split %s)", config.num_experts,
                     "as the kernels turned" if turn else f"in {time.perf_counter() - start:.2f} s")
+    # Before the KV pool takes the free memory: timing the products needs a few hundred MB for a moment.
+    model = choose_linear_kernels(model, args.quantized_matmul, platform, scheduler_config.token_buckets)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", platform,

@@ -186,10 +186,11 @@ def quantized_loading(reader, config: ModelConfig, requested: str | None,
 
 def quantized_config(config: ModelConfig, requested: str | None, ckpt: CheckpointQuantization | None = None,
                      strategy: str | None = None, lm_head: bool = False, stored: dict | None = None,
-                     embedding: bool = False) -> ModelConfig:
+                     embedding: bool = False, platform: str | None = None) -> ModelConfig:
     """The model's config with these options' quantization (`quantized_loading`'s, without a reader: for an
-    abstract model, which reads no weights)."""
-    spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
+    abstract model, which reads no weights). `platform`: where the model will run, which decides how
+    quantized layers run (default: this process's backend)."""
+    spec = linear_quantization(requested, ckpt, platform, strategy=strategy, stored=stored)
     if lm_head and not (stored and stored["lm_head"]):
         spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
     if embedding and not (stored and stored["embedding"]):
