@@ -31,14 +31,12 @@ from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_option
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
 from jaxserve.execution.kv_budget import KVShare, resolve_kv_budget
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
-from jaxserve.loader.formats import checkpoint_format, open_checkpoint
-from jaxserve.loader.load import abstract_weights, load_weights
-from jaxserve.loader.placement import (ModuleReader, ShardedModel, experts_can_split, feature_major, scan_layers,
-                                      split_experts)
-from jaxserve.loader.quantized import (checkpoint_quantization, quantized_config, quantized_loading,
-                                       stored_quantization)
-from jaxserve.loader.turned import UnturningReader, stored_turned
+from jaxserve.loader.formats import Checkpoint
+from jaxserve.loader.load import load_checkpoint
+from jaxserve.loader.placement import ShardedModel, experts_can_split, feature_major, scan_layers, split_experts
+from jaxserve.loader.quantized import QuantizationFlags, quantized_config
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
@@ -117,24 +115,11 @@ def build_model(args: EngineArgs) -> BuiltModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
-    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(model_dir)
-    stored = stored_quantization(model_dir)
-    # A checkpoint stored feature-major is read as it lies where the products run so, else turned back; its
-    # float kernels turned back first when they are quantized at load (the quantizer reads [in, out] kernels).
-    layout_stored = stored_turned(model_dir)
-    if layout_stored and args.quantization is not None and stored is None:
-        reader, layout_stored = UnturningReader(reader, config, dtype), False
-    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(model_dir),
-                                       args.quantization_strategy, args.quantize_lm_head, stored,
-                                       args.quantize_embedding)
-    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
-        logger.warning("%s", warning)
-    matmuls = _cpu_matmuls(args, config, dtype, plan, layout_stored)
-    turned = layout_stored and matmuls == FEATURE_MAJOR
-    if layout_stored and not turned:
-        reader = UnturningReader(reader, config, dtype)
-    model = load_weights(reader, config, dtype, plan, feature_major=turned)
-    built = _finish_build(args, served_name(args.model), model, config, tokenizer, dtype, matmuls)
+    checkpoint = (Checkpoint.in_memory(random_model(config, dtype, args.demo_weights_seed)) if demo else
+                  Checkpoint.read(model_dir))
+    model, config, matmuls = _load(args, checkpoint, config, dtype, plan)
+    built = _finish_build(args, served_name(args.model), model, config, tokenizer, dtype, matmuls,
+                          checkpoint.in_place)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 
@@ -143,12 +128,25 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
                       dtype) -> BuiltModel:
     """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
     shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
-    reader, config = quantized_loading(ModuleReader(module), config, args.quantization,
-                                       strategy=args.quantization_strategy, lm_head=args.quantize_lm_head,
-                                       embedding=args.quantize_embedding)
-    plan = _mesh_plan(args, config)
-    model = load_weights(reader, config, dtype, plan)
-    return _finish_build(args, name, model, config, tokenizer, dtype, _cpu_matmuls(args, config, dtype, plan))
+    model, config, matmuls = _load(args, Checkpoint.in_memory(module), config, dtype, _mesh_plan(args, config))
+    return _finish_build(args, name, model, config, tokenizer, dtype, matmuls)
+
+
+def _load(args: EngineArgs, checkpoint: Checkpoint, config: ModelConfig, dtype,
+          plan) -> tuple[ShardedModel, ModelConfig, str | None]:
+    """`checkpoint`'s weights on the mesh of `plan` as `args` asks: (the model, its config with the linear
+    layers' quantization, the library of a CPU's products: `execution/cpu_matmuls.py`). The library is
+    chosen before loading: a checkpoint stored feature-major is loaded as it lies only for the
+    feature-major products (else its reader turns the layers back)."""
+    config = quantized_config(config, QuantizationFlags.of(args), checkpoint)
+    platform = jax.default_backend()
+    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, platform):
+        logger.warning("%s", warning)
+    lies_turned = checkpoint.lies_turned(config)
+    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, platform, config, dtype, devices=plan.tp * plan.pp,
+                                  weights_in_place=checkpoint.in_place, stored_turned=lies_turned)
+    model = AbstractModel(config, dtype, plan, feature_major=lies_turned and matmuls == FEATURE_MAJOR)
+    return load_checkpoint(checkpoint, model), config, matmuls
 
 
 def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) -> BuiltModel:
@@ -164,10 +162,8 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads, devices=devices)
     dtype = resolve_dtype(args.dtype, config, platform)
-    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
-                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
-                              args.quantize_embedding)
-    model = abstract_weights(config, dtype, plan)
+    config = quantized_config(config, QuantizationFlags.of(args), Checkpoint.read(args.model_dir))
+    model = AbstractModel(config, dtype, plan).shapes()
     built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
                           free_bytes=device_limit - bytes_per_device(model.params))
     return dataclasses.replace(built, runner=runner, pooler_config=pooler)
@@ -178,14 +174,6 @@ def bytes_per_device(tree) -> int:
     device holds (4-bit codes at half a byte)."""
     return sum(device_bytes(jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype))
                for a in jax.tree.leaves(tree))
-
-
-def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan, layout_stored: bool = False) -> str | None:
-    """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
-    feature-major (`layout_stored`) is loaded as it lies only for the feature-major products."""
-    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
-    return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                               devices=plan.tp * plan.pp, weights_in_place=in_place, stored_turned=layout_stored)
 
 
 def _mesh_plan(args: EngineArgs, config: ModelConfig):
@@ -224,8 +212,10 @@ def token_buckets_for(budget: int, dtype, platform: str | None = None) -> tuple[
 
 
 def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer | None,
-                  dtype, matmuls: str | None, platform: str | None = None, free_bytes=None) -> BuiltModel:
-    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library.
+                  dtype, matmuls: str | None, in_place: bool = False, platform: str | None = None,
+                  free_bytes=None) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library;
+    `in_place`: the weights are views of a mapped checkpoint's files (`Checkpoint.in_place`).
     `platform` and `free_bytes`: the devices' kind and memory free after the weights, for a mesh of
     compile-only devices (`build_abstract`); default: this process's devices."""
     platform = platform or jax.default_backend()
@@ -251,7 +241,6 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
         target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
     # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
     apart = matmuls is not None and any(config.sparse_layers) and experts_can_split(model)
     start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major
