@@ -138,7 +138,7 @@ def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_ser
     from jaxserve.loader.abstract import AbstractModel
     from jaxserve.loader.formats import Checkpoint
     from jaxserve.loader.load import load_checkpoint, load_sharded
-    from jaxserve.loader.quantized import QuantizationFlags, quantized_config
+    from jaxserve.loader.quantized import QuantizationFlags
     from jaxserve.loader.safetensors import read_header
     from sharding import ParallelConfig, make_plan
 
@@ -157,7 +157,7 @@ def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_ser
     stored = load_sharded(mapped, config, jnp.float32, plan)
     assert stored.config.linear_quantization.codes == "int8"
     hugging_face = Checkpoint.read(stories_dir)
-    int8 = quantized_config(config, QuantizationFlags("int8"), hugging_face)
+    int8 = hugging_face.served_config(config, QuantizationFlags("int8"))
     at_load = load_checkpoint(hugging_face, AbstractModel(int8, jnp.float32, plan))
     a, b = (dict(jax.tree_util.tree_leaves_with_path(m.params)) for m in (stored, at_load))
     assert a.keys() == b.keys()

@@ -20,7 +20,7 @@ from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.convert import convert
 from jaxserve.loader.formats import MARKER, Checkpoint
 from jaxserve.loader.load import load_model, load_weights
-from jaxserve.loader.quantized import QuantizationFlags, quantized_config
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.loader.safetensors import read_header
 from jaxserve.loader.turned import TurningReader, UnturningReader, turned_parts
 from sharding import ParallelConfig, make_plan
@@ -39,7 +39,7 @@ def _host_params(model) -> dict[str, np.ndarray]:
 def _checkpoint(case: str, quantization: str | None):
     """The parity fixture's Hugging Face reader, quantized at load if asked, and the config to load it with."""
     checkpoint = Checkpoint.read(FIXTURES / case)
-    config = quantized_config(ModelConfig.from_pretrained(FIXTURES / case), QuantizationFlags(quantization), checkpoint)
+    config = checkpoint.served_config(ModelConfig.from_pretrained(FIXTURES / case), QuantizationFlags(quantization))
     return lambda: (checkpoint.reader(AbstractModel(config, jnp.float32)), config)
 
 

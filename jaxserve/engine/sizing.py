@@ -37,7 +37,7 @@ from jaxserve.execution.programs import StepPrograms
 from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
 from jaxserve.loader.formats import Checkpoint
-from jaxserve.loader.quantized import QuantizationFlags, quantized_config
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.kv_quant import kv_quant_dtype
@@ -282,7 +282,7 @@ def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_par
     plan_ = make_plan(ParallelConfig(tp, pp, expert_parallel), num_layers=config.num_layers,
                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, devices=compile_devices(target))
     dtype = resolve_dtype(dtype_flag, config, target.platform)
-    config = quantized_config(config, quantization, Checkpoint.read(model_dir))
+    config = Checkpoint.read(model_dir).served_config(config, quantization)
     weights = bytes_per_device(AbstractModel(config, dtype, plan_).shapes().params)
     return config, dtype, weights, KVShare.of(config, plan_)
 

@@ -7,10 +7,12 @@ linear layers, answers every question about the model's shape; nothing here read
 2. `entries`: each parameter's layout on the mesh from the partition rules (`sharding/rules.py`): padded
    shape, PartitionSpec, and where it lives (a layer's parameters on its pipeline stage's devices, the
    embedding, final norm and LM head on every stage).
-3. Its users: serving fills the entries from a checkpoint's reader and stacks the stages (`load.py`,
-   `placement.assemble`); compile-only planning takes `shapes()`, the placed model with shapes where the
-   arrays would be (`jaxserve plan`); conversion writes `params` in order (mapped) or the entries read
-   onto a mesh (Orbax), and the feature-major layout is read off a turned abstract model (`turned.py`).
+3. `place(arrays)` stacks the pipeline stages' layers into the stage model the steps run
+   (`placement.assemble`); `shapes()` is that model with shapes where the arrays would be.
+4. Its users: serving fills the entries from a checkpoint's reader and places them (`load.py`);
+   compile-only planning takes `shapes()` (`jaxserve plan`); conversion writes `params` in order (mapped)
+   or the entries read onto a mesh (Orbax), and the feature-major layout is read off a turned abstract
+   model (`turned.py`).
 """
 
 from __future__ import annotations
@@ -23,19 +25,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.placement import ShardedModel, assemble
+from jaxserve.loader.placement import ParamEntry, ShardedModel, assemble
 from jaxserve.loader.tree import ParamPath, flatten
 from jaxserve.model.registry import abstract_model
 from sharding.mesh import MeshPlan
-from sharding.rules import ParamLayout, is_layer_param, param_layout
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamEntry:
-    path: ParamPath  # ("layers", "3", "self_attn", "q_proj", "kernel")
-    layout: ParamLayout
-    dtype: object
-    sharding: NamedSharding  # on the stage's sub-mesh (layers) or the whole mesh
+from sharding.rules import is_layer_param, param_layout
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,12 +66,16 @@ class AbstractModel:
             entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
         return entries
 
+    def place(self, arrays: dict[ParamPath, jax.Array]) -> ShardedModel:
+        """The stage model holding `arrays`, one per entry, each on its entry's sharding."""
+        return assemble(arrays, self.config, self.dtype, self.plan, self.feature_major)
+
     def shapes(self) -> ShardedModel:
         """The model as loading places it, with `jax.ShapeDtypeStruct`s (shape, dtype, sharding) where the
         arrays would be: what compiling a step needs of the weights. It works for a mesh of compile-only
         devices and a model of any size."""
-        return assemble({e.path: jax.ShapeDtypeStruct(e.layout.padded, e.dtype, sharding=e.sharding)
-                         for e in self.entries}, self)
+        return self.place({e.path: jax.ShapeDtypeStruct(e.layout.padded, e.dtype, sharding=e.sharding)
+                           for e in self.entries})
 
 
 def module_specs(module: nnx.Module) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:

@@ -29,8 +29,7 @@ from jaxserve.loader.dtypes import DTYPES
 from jaxserve.loader.formats import Checkpoint, mark_converted
 from jaxserve.loader.mapped import write_mapped
 from jaxserve.loader.orbax import PARAMS_DIR, save_orbax
-from jaxserve.loader.quantized import (QuantizationFlags, describe_stored, made_for_float_activations,
-                                       quantized_config, requantizes)
+from jaxserve.loader.quantized import QuantizationFlags, describe_stored, made_for_float_activations, requantizes
 from jaxserve.loader.turned import FEATURE_MAJOR_LAYOUT
 from jaxserve.model.feature_major import turning_pays
 from sharding import ParallelConfig, make_plan
@@ -65,7 +64,7 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
         raise ValueError("--linear-layout feature-major is stored by --format mapped only (Orbax is for meshes, "
                          "and feature-major layers run on one device)")
     flags = QuantizationFlags(quantization, lm_head=quantize_lm_head, embedding=quantize_embedding)
-    config = quantized_config(config, flags, checkpoint)
+    config = checkpoint.served_config(config, flags)
     spec, dtype = config.linear_quantization, DTYPES[name]
     output = _new_dir(output)
     marker = {"format": format, "dtype": jnp.dtype(dtype).name}

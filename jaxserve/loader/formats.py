@@ -6,12 +6,13 @@
 - `jaxserve convert --format orbax`: the parameters saved by Orbax, restored into any mesh (`orbax.py`).
 A converted directory is marked by `jaxserve_checkpoint.json`, which names its format.
 
-1. `Checkpoint.read(model_dir)` reads a directory once: its format and conversion marker, how its linear
-   layers are stored (quantized by `convert`, feature-major) or what quantization its config.json
-   declares, its dtype, and, when first asked, its shard files. `Checkpoint.in_memory` describes weights
-   that a module holds (the random demo model, benchmarks).
-2. The build hands the description down and nothing reads the directory again: the quantization decision
-   (`quantized.quantized_config`), the CPU's product library (`in_place`, `lies_turned`), the reader.
+1. `Checkpoint.read(model_dir)` reads a directory's weights description once: its format and conversion
+   marker, how its linear layers are stored (quantized by `convert`, feature-major) or what quantization
+   its config.json declares, a converted checkpoint's dtype, and, when first asked, its shard files.
+   `Checkpoint.in_memory` describes the weights a module holds (the random demo model, benchmarks).
+2. The build hands the description down, and nothing after it reads the marker or the shard index again:
+   the quantization decision (`served_config`), the CPU's product library (`in_place`, `lies_turned`),
+   the dtype warnings, the reader.
 3. `reader(model)` composes the readers for the abstract model being filled, by one rule: as stored ->
    the model's own layout (turned back from feature-major) -> quantized, where the layers are made at
    load -> turned, where the model runs feature-major and the checkpoint does not lie so already.
@@ -28,11 +29,13 @@ from pathlib import Path
 
 from flax import nnx
 
+from jaxserve.config import ModelConfig
 from jaxserve.json_files import read_json_object
 from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.orbax import OrbaxReader
 from jaxserve.loader.placement import ModuleReader, RegionReader
-from jaxserve.loader.quantized import QuantizedLinearReader, describe_linear_layers, stored_layers
+from jaxserve.loader.quantized import (QuantizationFlags, QuantizedLinearReader, describe_linear_layers,
+                                       quantized_config, stored_layers)
 from jaxserve.loader.safetensors import SafetensorsReader, safetensors_files
 from jaxserve.loader.turned import FEATURE_MAJOR_LAYOUT, TurningReader, UnturningReader
 from jaxserve.quantization.checkpoints import CheckpointQuantization, detect_checkpoint_quantization
@@ -55,7 +58,7 @@ class Checkpoint:
     declared: CheckpointQuantization | None = None  # a pre-quantized Hugging Face checkpoint's quantization
     stored: dict | None = None  # a converted checkpoint's quantized linear layers (`quantized.stored_layers`)
     turned: bool = False  # linear layers stored feature-major (`turned.py`)
-    dtype: str | None = None  # the float dtype its tensors are stored in, where the directory says it
+    dtype: str | None = None  # a converted checkpoint's float dtype (else config.json's `torch_dtype` says)
     module: nnx.Module | None = None  # the weights in memory
 
     @classmethod
@@ -67,9 +70,7 @@ class Checkpoint:
                        turned=marker.get("linear_layout") == FEATURE_MAJOR_LAYOUT, dtype=marker.get("dtype"))
         config = read_json_object(location / "config.json")
         declared = detect_checkpoint_quantization(config, location) if config else None
-        dtype = config.get("torch_dtype", config.get("dtype"))
-        return cls(HUGGING_FACE, location, declared=declared,
-                   dtype=None if dtype is None else str(dtype).removeprefix("torch."))
+        return cls(HUGGING_FACE, location, declared=declared)
 
     @classmethod
     def in_memory(cls, module: nnx.Module) -> Checkpoint:
@@ -87,19 +88,19 @@ class Checkpoint:
 
     @functools.cached_property
     def weight_files(self) -> dict[str, Path]:
-        """Tensor name -> the safetensors file that holds it (read when first asked: planning never does)."""
+        """Tensor name -> the safetensors shard that holds it (read when first asked: planning never asks)."""
         return safetensors_files(self.location)
 
-    @property
-    def shards(self) -> list[Path]:
-        return sorted(set(self.weight_files.values()))
+    def served_config(self, config: ModelConfig, flags: QuantizationFlags) -> ModelConfig:
+        """`config` with the linear layers as `flags` ask of this checkpoint (`quantized.quantized_config`)."""
+        return quantized_config(config, flags, self.declared, self.stored)
 
-    def lies_turned(self, model_config) -> bool:
+    def lies_turned(self, model_config: ModelConfig) -> bool:
         """Whether its linear layers lie as a feature-major engine runs `model_config`'s: stored so, and not
         made at load (the quantizer reads kernels in the model's own layout)."""
         return self.turned and not self._made_at_load(model_config)
 
-    def _made_at_load(self, model_config) -> bool:
+    def _made_at_load(self, model_config: ModelConfig) -> bool:
         """The quantized layers `model_config` asks for are made on the host from float or pre-quantized
         tensors, not read as a converted checkpoint stores them."""
         return model_config.linear_quantization is not None and self.stored is None
@@ -114,12 +115,13 @@ class Checkpoint:
 
     def reader(self, model: AbstractModel) -> RegionReader | OrbaxReader:
         """The reader that fills `model`'s entries, composed by the rule of the module docstring."""
-        spec, reader = model.config.linear_quantization, self.open()
-        at_load = self._made_at_load(model.config)
+        spec, at_load = model.config.linear_quantization, self._made_at_load(model.config)
+        as_it_lies = model.feature_major and self.lies_turned(model.config)
         if spec is not None:
             logger.info("%s", describe_linear_layers(spec))
-        if self.turned and model.feature_major and not at_load:
-            return reader  # it lies as the model runs
+        reader = self.open()
+        if as_it_lies:
+            return reader
         if self.turned:
             as_stored = dataclasses.replace(model.config, linear_quantization=None) if at_load else model.config
             reader = UnturningReader(reader, as_stored, model.dtype)

@@ -6,8 +6,8 @@
 2. Plan: the abstract model (`abstract.py`) gives every parameter its shape, dtype and layout on the mesh,
    its linear layers as the config's quantization and the chosen layout make them.
 3. Fill and place: the reader the description composes for that model (`Checkpoint.reader`) fills each
-   entry, every device reading only its own slice, and `assemble` stacks the pipeline stages' layers into
-   the model state the jitted step runs on.
+   entry, every device reading only its own slice, and `AbstractModel.place` stacks the pipeline stages'
+   layers into the model state the jitted step runs on.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.formats import Checkpoint
-from jaxserve.loader.placement import ShardedModel, assemble
-from jaxserve.loader.quantized import QuantizationFlags, quantized_config
+from jaxserve.loader.placement import ShardedModel
+from jaxserve.loader.quantized import QuantizationFlags
 from sharding import ParallelConfig, make_plan
 from sharding.mesh import MeshPlan
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 def load_weights(reader, model: AbstractModel) -> ShardedModel:
     """Every parameter of `model`, filled by `reader` and placed on the mesh of `model.plan`."""
     start = time.perf_counter()
-    placed = assemble(reader.read(model.entries), model)
+    placed = model.place(reader.read(model.entries))
     seconds = time.perf_counter() - start
     logger.info("weights: %d tensors, %.1f MB on the mesh, from %s as %s in %.1fs (%.2f GB/s)", len(model.entries),
                 placed.num_bytes / 1e6, reader.description, jnp.dtype(model.dtype).name, seconds,
@@ -51,7 +51,7 @@ def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPl
     linear layers as the checkpoint stores them (the returned model's config says how), in the model's own
     layout (a feature-major mapped checkpoint's layers turned back: `turned.py`)."""
     checkpoint = Checkpoint.read(model_dir)
-    config = quantized_config(config, QuantizationFlags(), checkpoint)
+    config = checkpoint.served_config(config, QuantizationFlags())
     return load_checkpoint(checkpoint, AbstractModel(config, dtype, plan))
 
 

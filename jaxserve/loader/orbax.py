@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 
 from jaxserve.loader.dtypes import stored_dtype
-from jaxserve.loader.abstract import ParamEntry
+from jaxserve.loader.placement import ParamEntry
 from jaxserve.loader.tree import ParamPath, get_path, nested
 
 PARAMS_DIR = "params"

@@ -19,7 +19,6 @@ import functools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +36,15 @@ from jaxserve.model.moe import split_experts as split_expert_stacks
 from jaxserve.model.registry import abstract_model
 from sharding.loading import Fill, InPlace, array_from_reader, host_buffer, stack_stages
 from sharding.mesh import MeshPlan
-from sharding.rules import is_layer_param, runtime_spec
+from sharding.rules import ParamLayout, is_layer_param, runtime_spec
 
-if TYPE_CHECKING:  # the abstract model places itself with `assemble`
-    from jaxserve.loader.abstract import AbstractModel, ParamEntry
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+    path: ParamPath  # ("layers", "3", "self_attn", "q_proj", "kernel")
+    layout: ParamLayout
+    dtype: object
+    sharding: NamedSharding  # on the stage's sub-mesh (layers) or the whole mesh
 
 
 @dataclasses.dataclass
@@ -150,9 +154,8 @@ def check_stage_pattern(config: ModelConfig, plan: MeshPlan) -> None:
                              f"the layer pattern")
 
 
-def assemble(arrays: dict[ParamPath, jax.Array], model: AbstractModel) -> ShardedModel:
-    """The stage model of `model` (see the module docstring) holding `arrays`, one per entry of `model`."""
-    config, dtype, plan, feature_major = model.config, model.dtype, model.plan, model.feature_major
+def assemble(arrays: dict[ParamPath, jax.Array], config: ModelConfig, dtype, plan: MeshPlan,
+             feature_major: bool = False) -> ShardedModel:
     check_stage_pattern(config, plan)
     stage = config.first_layers(plan.layers_per_stage)
     graphdef, state = nnx.split(abstract_model(stage, dtype, feature_major))

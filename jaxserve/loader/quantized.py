@@ -37,7 +37,6 @@ from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq
 
 if TYPE_CHECKING:
     from jaxserve.engine_args import EngineArgs
-    from jaxserve.loader.formats import Checkpoint
 
 QUANTIZED_PARTS = ("codes", "scales", "zeros")
 EMBEDDING = ("embed_tokens",)  # quantized per row (`--quantize-embedding`); linear layers per output column
@@ -169,11 +168,11 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
     return LinearQuantization(requested, None, strategy, min_rows, source=QUANTIZED_AT_LOAD)
 
 
-def quantized_config(config: ModelConfig, flags: QuantizationFlags,
-                     checkpoint: Checkpoint | None = None) -> ModelConfig:
-    """The model's config with its linear layers as `flags` ask of `checkpoint` (None: float weights in
-    memory): unchanged for float layers, else `linear_quantization` says what they become."""
-    declared, stored = (None, None) if checkpoint is None else (checkpoint.declared, checkpoint.stored)
+def quantized_config(config: ModelConfig, flags: QuantizationFlags, declared: CheckpointQuantization | None = None,
+                     stored: dict | None = None) -> ModelConfig:
+    """The model's config with its linear layers as `flags` ask of a checkpoint whose config.json declares
+    `declared`, or that `convert` stored as `stored` (`Checkpoint.served_config`): unchanged for float
+    layers, else `linear_quantization` says what they become."""
     spec = linear_quantization(flags.method, declared, strategy=flags.strategy, stored=stored)
     if flags.lm_head and not (stored and stored["lm_head"]):
         spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, declared, config, stored)
