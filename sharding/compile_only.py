@@ -120,6 +120,9 @@ def _cuda_ready() -> None:
     except ImportError:
         _use_compilers_dir("gpu")
         plugin = importlib.import_module(CUDA_PLUGIN)
+        # Ours holds the compiler alone: the runtime libraries the plugin checks for (cuDNN, cuBLAS...) run
+        # kernels, and nothing here runs.
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     try:
         plugin.initialize()
     except jax.errors.JaxRuntimeError as e:  # registered by JAX's own discovery meanwhile

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.dispatch import kernels_for_platform
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, scales_shape
 from sharding.chips import parse_target
 from sharding.compile_only import compile_devices, compile_options
 
@@ -54,8 +54,8 @@ def _compile(case: dict, target_name: str):
     page_dtype = KV_CACHE_DTYPES.get(c["pages"], c["dtype"])
     pages = shape((KV_HEADS, NUM_PAGES, c["page_size"], c["head_dim"]), page_dtype)
     scales = {} if c["pages"] == "auto" else {
-        "k_scales": shape((KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE),
-        "v_scales": shape((KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE)}
+        "k_scales": shape(scales_shape(KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE),
+        "v_scales": shape(scales_shape(KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE)}
     args = (shape((c["tokens"], KV_HEADS * c["group"], c["head_dim"]), c["dtype"]), pages, pages,
             shape((c["seqs"],), jnp.int32), shape((c["seqs"], CONTEXT // c["page_size"]), jnp.int32),
             shape((c["seqs"] + 1,), jnp.int32))

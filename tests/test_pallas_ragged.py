@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import kernels_for_platform, select_attention_backend
 from pallas_kernels.blocked import ragged_paged_attention_blocked
 from pallas_kernels.dispatch import BLOCKED_MULTIPLY_SUM
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, scales_shape
 from pallas_kernels import ragged_gpu
 from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_tpu import ragged_paged_attention_tpu
@@ -279,7 +279,8 @@ def _bad_inputs():
     table = jnp.zeros((2, 3), jnp.int32)
     cu = jnp.array([0, 2, 6], jnp.int32)
     kv8 = kv.astype(jnp.int8)
-    scales = jnp.ones(kv.shape[:3], jnp.float32)
+    scales = jnp.ones(scales_shape(*kv.shape[:3]), jnp.float32)
+    kv8_odd_pages = jnp.zeros((2, 6, 12, 64), jnp.int8)
     return [
         ("q must be", (q[0], kv, kv, lens, table, cu), {}),
         ("v_pages shape", (q, kv, kv[:, :5], lens, table, cu), {}),
@@ -301,6 +302,8 @@ def _bad_inputs():
          {"k_scales": scales[..., :4], "v_scales": scales}),
         ("v_scales must be a float", (q, kv8, kv8, lens, table, cu),
          {"k_scales": scales, "v_scales": scales.astype(jnp.int32)}),
+        ("page_size that divides 128", (q, kv8_odd_pages, kv8_odd_pages, lens, table, cu),
+         {"k_scales": scales, "v_scales": scales}),
     ]
 
 
@@ -424,7 +427,7 @@ def test_kernels_lower_for_real_hardware(platform, dtype, kv_dtype):
     page_dtype = dtype if kv_dtype is None else KV_CACHE_DTYPES[kv_dtype]
     args = (shape((96, 32, 128), dtype), shape((8, 65, 16, 128), page_dtype), shape((8, 65, 16, 128), page_dtype),
             shape((6,), jnp.int32), shape((6, 16), jnp.int32), shape((7,), jnp.int32))
-    scales = () if kv_dtype is None else (shape((8, 65, 16), jnp.float32),) * 2
+    scales = () if kv_dtype is None else (shape(scales_shape(8, 65, 16), jnp.float32),) * 2
     fn = jax.jit(lambda *a: kernel(*a[:6], sm_scale=0.088, soft_cap=30.0, sliding_window=100,
                                    **dict(zip(("k_scales", "v_scales"), a[6:]))))
     with use_abstract_mesh(mesh):

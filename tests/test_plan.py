@@ -130,3 +130,10 @@ def test_missing_compilers_say_how_to_install_them(tmp_path, tiny):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "jaxserve plan --install-compilers" in out.stderr and str(tmp_path / "none") in out.stderr
+
+
+@pytest.mark.parametrize("target, strategy", [("h200", "weight_only"), ("v6e-1", "dynamic_int8")])
+def test_quantized_layers_run_as_the_target_runs_them(capsys, target, strategy):
+    """--quantization int8 takes the target's strategy (an H200 serves int8 weight-only), not this CPU's."""
+    _, r = plan(capsys, CONFIGS / "llama-3-8b", "--target", target, "--quantization", "int8", "--programs", "none")
+    assert (r["quantization"], r["quantization_strategy"]) == ("int8", strategy)

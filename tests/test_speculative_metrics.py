@@ -17,7 +17,7 @@ from jaxserve.entrypoints.cli import build_parser
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.speculative.speculator import Speculator
-from server.metrics import Metrics
+from server.serving.metrics import Metrics
 
 
 def fake_async_engine(speculator):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.builtin_models import describe as describe_model
 from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
+from jaxserve.engine.kernel_choice import choose_linear_kernels
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
@@ -162,7 +163,7 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads, devices=devices)
     dtype = resolve_dtype(args.dtype, config, platform)
-    config = Checkpoint.read(args.model_dir).served_config(config, QuantizationFlags.of(args))
+    config = Checkpoint.read(args.model_dir).served_config(config, QuantizationFlags.of(args), platform)
     model = AbstractModel(config, dtype, plan).shapes()
     free_bytes = device_limit - bytes_per_device(model.params)
     built = _finish_build(args, served_name(args.model), _laid_out(args, model, None, platform=platform), None,
@@ -246,9 +247,10 @@ def _laid_out(args: EngineArgs, model: ShardedModel, matmuls: str | None, in_pla
 
 def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: Tokenizer | None,
                   matmuls: str | None, platform: str | None = None, free_bytes=None) -> BuiltModel:
-    """Everything but the weights, for a model already on its mesh as it runs (`_laid_out`); `matmuls`:
-    the CPU's product library. `platform` and `free_bytes`: the devices' kind and memory free after the
-    weights, for a mesh of compile-only devices (`build_abstract`); default: this process's devices."""
+    """Everything but the weights, for a model already on its mesh as it runs (`_laid_out`), but for the
+    kernels of its quantized products, chosen here once the token buckets are known; `matmuls`: the CPU's
+    product library. `platform` and `free_bytes`: the devices' kind and memory free after the weights, for
+    a mesh of compile-only devices (`build_abstract`); default: this process's devices."""
     config, dtype, platform = model.config, model.dtype, platform or jax.default_backend()
     max_model_len = args.max_model_len or config.max_position_embeddings
     if max_model_len > config.max_position_embeddings:
@@ -265,6 +267,8 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: T
         max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
     attention = select_attention_backend(args.attention_backend, platform)
     check_page_dtype(args.kv_cache_dtype, model.plan.mesh.devices.flat[0])
+    # Before the KV pool takes the free memory: timing the products needs a few hundred MB for a moment.
+    model = choose_linear_kernels(model, args.quantized_matmul, platform, scheduler_config.token_buckets)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", platform,

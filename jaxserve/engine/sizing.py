@@ -130,6 +130,7 @@ class Plan:
             "parallel": {"tensor": self.built.model.plan.tp, "pipeline": self.built.model.plan.pp},
             "dtype": jax.numpy.dtype(self.built.dtype).name,
             "quantization": c.linear_quantization and c.linear_quantization.codes,
+            "quantization_strategy": c.linear_quantization and c.linear_quantization.strategy,
             "kv_cache_dtype": self.args.kv_cache_dtype,
             "max_model_len": self.built.scheduler_config.max_model_len,
             "max_num_seqs": self.args.max_num_seqs,
@@ -180,7 +181,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     built = build_abstract(args, devices, target.platform, limit)
     buckets = _buckets(built, programs)
     tracker = progress(len(buckets)) if progress else None
-    compiled = compile_programs(_step_programs(built, args), buckets, target, tracker)
+    compiled = compile_programs(step_programs(built, args), buckets, target, tracker)
     plan_ = built.model.plan
     share = KVShare.of(built.model_config, plan_)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or built.dtype
@@ -197,7 +198,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     heads = c.num_heads // plan_.tp
     work = StepWork.of(built.model.params, c, target.chip, per_token, plan_.layers_per_stage, heads, plan_.pp)
     plan = Plan(target, args, built, compiled, footprint, limit, per_token, capacity, utilization, work,
-                _compiler(target), [])
+                compiler_name(target), [])
     if not plan.fits:
         plan.advice = advice(plan)
     return plan
@@ -215,7 +216,7 @@ def _buckets(built: BuiltModel, programs: str) -> list[int]:
     return chosen
 
 
-def _step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
+def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
     """The step programs serving `args` would compile: LoRA slots and draft verification included."""
     lora = None if not args.enable_lora else LoRASlots.abstract_stack(
         built.model_config, args.max_loras, args.max_lora_rank, built.dtype, built.model.plan)
@@ -255,7 +256,7 @@ def _capacity(built: BuiltModel, args: EngineArgs, share: KVShare, page_dtype, f
     return (budget.num_pages - 1) * args.page_size
 
 
-def _compiler(target: Target) -> str:
+def compiler_name(target: Target) -> str:
     if target.chip.is_tpu:
         version = _version("libtpu")
         return f"libtpu {version} (XLA:TPU and Mosaic, compile-only) for {target.topology}"
@@ -282,7 +283,7 @@ def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_par
     plan_ = make_plan(ParallelConfig(tp, pp, expert_parallel), num_layers=config.num_layers,
                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, devices=compile_devices(target))
     dtype = resolve_dtype(dtype_flag, config, target.platform)
-    config = Checkpoint.read(model_dir).served_config(config, quantization)
+    config = Checkpoint.read(model_dir).served_config(config, quantization, target.platform)
     weights = bytes_per_device(AbstractModel(config, dtype, plan_).shapes().params)
     return config, dtype, weights, KVShare.of(config, plan_)
 

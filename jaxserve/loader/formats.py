@@ -91,9 +91,10 @@ class Checkpoint:
         """Tensor name -> the safetensors shard that holds it (read when first asked: planning never asks)."""
         return safetensors_files(self.location)
 
-    def served_config(self, config: ModelConfig, flags: QuantizationFlags) -> ModelConfig:
-        """`config` with the linear layers as `flags` ask of this checkpoint (`quantized.quantized_config`)."""
-        return quantized_config(config, flags, self.declared, self.stored)
+    def served_config(self, config: ModelConfig, flags: QuantizationFlags, platform: str | None = None) -> ModelConfig:
+        """`config` with the linear layers as `flags` ask of this checkpoint, run on `platform` (default: this
+        process's backend; `quantized.quantized_config`)."""
+        return quantized_config(config, flags, self.declared, self.stored, platform)
 
     def lies_turned(self, model_config: ModelConfig) -> bool:
         """Whether its linear layers lie as a feature-major engine runs `model_config`'s: stored so, and not

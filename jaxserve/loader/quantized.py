@@ -169,11 +169,12 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
 
 
 def quantized_config(config: ModelConfig, flags: QuantizationFlags, declared: CheckpointQuantization | None = None,
-                     stored: dict | None = None) -> ModelConfig:
+                     stored: dict | None = None, platform: str | None = None) -> ModelConfig:
     """The model's config with its linear layers as `flags` ask of a checkpoint whose config.json declares
     `declared`, or that `convert` stored as `stored` (`Checkpoint.served_config`): unchanged for float
-    layers, else `linear_quantization` says what they become."""
-    spec = linear_quantization(flags.method, declared, strategy=flags.strategy, stored=stored)
+    layers, else `linear_quantization` says what they become. `platform`: where the model will run, which
+    decides how quantized layers run (default: this process's backend)."""
+    spec = linear_quantization(flags.method, declared, platform, strategy=flags.strategy, stored=stored)
     if flags.lm_head and not (stored and stored["lm_head"]):
         spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, declared, config, stored)
     if flags.embedding and not (stored and stored["embedding"]):

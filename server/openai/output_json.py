@@ -1,30 +1,19 @@
-"""Response pieces in OpenAI's (and vLLM's) JSON shapes: log-probabilities, usage, SSE events.
+"""Reply pieces in OpenAI's (and vLLM's) JSON shapes: log-probabilities, tool calls, usage.
 
 1. `completion_logprobs` is the legacy completions object (`tokens`, `token_logprobs`, `top_logprobs`,
    `text_offset`); with `echo` the prompt's tokens come first, the first of them without a logprob.
 2. `chat_logprobs` is the chat object (`content`: per token its text, logprob, UTF-8 bytes and the top
    alternatives).
 3. `prompt_logprobs_json` is vLLM's extension: per prompt token `{id: {logprob, rank, decoded_token}}`.
-   `model_card` is a `/v1/models` entry as vLLM writes it.
-4. `Usage` counts tokens over a response's choices; `sse` and `event_stream` write the stream.
+4. `tool_call_json` and `tool_call_delta_json` write a reply's tool calls, whole and as streamed pieces.
+5. `Usage` counts tokens over a response's choices.
 With `return_tokens_as_token_ids` a token is written `token_id:N`, so tokens that are not valid text on
 their own (a UTF-8 fragment) can still be told apart.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-import uuid
-from typing import AsyncIterator
-
-from starlette.responses import StreamingResponse
-
 from jaxserve.outputs import PositionLogprobs, RequestOutput
-from server.errors import internal_error
-
-logger = logging.getLogger(__name__)
 
 
 def _name(token_id: int, text: str, as_ids: bool) -> str:
@@ -76,17 +65,6 @@ def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list 
                                     for t, v in e.items()} for e in entries]
 
 
-def model_card(name: str, created: int, root: str, max_model_len: int, parent: str | None = None) -> dict:
-    """One `/v1/models` entry in vLLM's shape: OpenAI's fields, then `root` (where the weights came from),
-    `parent` (null for the base model; a LoRA adapter's base), `max_model_len` and one `permission` object."""
-    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": int(time.time()),
-                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                  "organization": "*", "group": None, "is_blocking": False}
-    return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": root,
-            "parent": parent, "max_model_len": max_model_len, "permission": [permission]}
-
-
 def tool_call_json(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -123,20 +101,3 @@ class Usage:
                 "total_tokens": self.prompt_tokens + done,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def event_stream(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
-    """SSE response; a failure once the headers are out is reported in-band, then the stream ends."""
-    async def guarded():
-        try:
-            async for event in events:
-                yield event
-        except Exception:
-            logger.exception("stream %s failed", request_id)
-            yield sse(internal_error(request_id).body)
-            yield "data: [DONE]\n\n"
-    return StreamingResponse(guarded(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -20,8 +20,8 @@ import logging
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from server.http.errors import error_body
 from server.options import ServerOptions
-from server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""JSON read a character at a time, strictly, for the tool-call parsers (`tool_parsers.py`).
+"""JSON read a character at a time, strictly, for the tool-call parsers (`parsers.py`).
 
 1. `JsonObject` takes one JSON object piece by piece and says, after each piece, whether it is still valid,
    complete, or broken at a given character (no NaN, no raw control characters in strings: what any

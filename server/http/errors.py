@@ -1,4 +1,6 @@
-"""Errors in OpenAI's shape: the exception a handler raises, and the response it becomes."""
+"""Errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`): the exception a handler
+raises, the response it becomes, and the 400 a bad body gets (a pydantic error, a field refused by name, a
+string that is not valid Unicode)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,19 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from server.protocol import UnsupportedField, error_body
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class UnsupportedField(ValueError):
+    """A field this server refuses by name, raised inside a pydantic validator (pydantic wraps it;
+    `validation_error` reports its `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):

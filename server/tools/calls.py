@@ -4,7 +4,7 @@
    function's reply is its arguments object, under the function's JSON Schema; "required" replies with a
    compact JSON array of `{"name": ..., "parameters": {...}}`, one item per call, each item under the
    schema of the function it names. The model cannot answer anything else.
-2. "auto" leaves the reply free; the `--tool-call-parser` named at start-up (server/tool_parsers.py) finds
+2. "auto" leaves the reply free; the `--tool-call-parser` named at start-up (server/tools/parsers.py) finds
    the calls the model wrote in its own format.
 3. `replier` gives one choice's reply handler for either: whole (`parse`) or streamed (`stream().feed`),
    where arguments go out as JSON text pieces whose concatenation is the call's `arguments`.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from jaxserve.sampling.grammar import StructuredOutputsParams
-from server.tool_parsers import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, get_parser, new_call_id
+from server.tools.parsers import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, get_parser, new_call_id
 
 
 def tool_choice_spec(body) -> StructuredOutputsParams | None:

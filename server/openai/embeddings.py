@@ -6,30 +6,39 @@
    default); `dimensions` only where the model is Matryoshka (else a 400 naming it); vLLM's
    `truncate_prompt_tokens`, `add_special_tokens` and `normalize`. Other vLLM fields are refused by name.
 2. Every input is admitted against the queue limit, tokenized on a worker thread and checked by the
-   engine (`Engine.validate_pooling`) before any is queued; then all run at once, batched by the engine
-   with whatever else is running, and the answer lists them in input order with the prompt tokens as
-   usage. A client that disconnects aborts what is left.
+   engine (`EngineClient.check_pooling`, the one check) before any is queued; then all run at once,
+   batched by the engine with whatever else is running, and the answer lists them in input order with the
+   prompt tokens as usage. A client that disconnects aborts what is left.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
-import uuid
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxserve.entrypoints.async_engine import EngineDeadError, TokenTimer
-from jaxserve.errors import InvalidParameter
+from jaxserve.engine.pooling_requests import CheckedPooling
+from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
-from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
-from server.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage, UnsupportedField
+from server.http.bodies import RequestBody
+from server.http.errors import (
+    APIError,
+    UnsupportedField,
+    error_response,
+    internal_error,
+    request_id_of,
+    validation_error,
+)
+from server.openai.prompts import render_chat
+from server.openai.protocol import MAX_PROMPTS, ChatCompletionRequest, ChatMessage
+from server.serving.admission import Places, failed_before_engine
+from server.serving.context import ServingContext
 
 # vLLM fields of its embedding request that this server refuses unless they keep their default.
 _UNSUPPORTED = {
@@ -40,8 +49,8 @@ _UNSUPPORTED = {
 }
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class EmbeddingRequest(RequestBody):
+    model_config = ConfigDict(allow_inf_nan=False)
 
     input: str | list[str] | list[int] | list[list[int]] | None = None
     # vLLM's chat-style request instead of `input`: the messages rendered by the chat template, embedded whole.
@@ -99,86 +108,52 @@ class EmbeddingRequest(BaseModel):
             raise validation_error(e) from None
 
 
-async def embeddings_route(api, request: Request) -> Response:
-    admitted = 0
+async def embeddings_route(ctx: ServingContext, request: Request) -> Response:
+    places = Places()
     try:
-        api.require_ready()
-        body: EmbeddingRequest = await api.parse(request, EmbeddingRequest)
-        inputs = [await run_in_threadpool(api.render_chat, body.as_chat())] if body.messages else body.inputs()
+        ctx.require_ready()
+        body = await ctx.parse(request, EmbeddingRequest)
+        inputs = [await run_in_threadpool(render_chat, ctx, body.as_chat())] if body.messages else body.inputs()
         special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-        api.admit(len(inputs))
-        admitted = len(inputs)
+        places = ctx.admission.admit(len(inputs))
         for item in inputs:
             if isinstance(item, str) and body.truncate_prompt_tokens is None:  # too long to be worth tokenizing
-                api.prompt_fits(item, "input")
-        tok = api.engine.tokenizer
+                ctx.model.prompt_fits(item, "input")
+        tok = ctx.model.tokenizer
         prompt_ids = await run_in_threadpool(lambda: [
-            _truncate(api, tok.encode(p, special) if isinstance(p, str) else list(p),
-                      body.truncate_prompt_tokens) for p in inputs])
+            ctx.model.truncate(tok.encode(p, special) if isinstance(p, str) else list(p), body.truncate_prompt_tokens,
+                               reserve=0) for p in inputs])
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
-        for ids in prompt_ids:
-            _check(api, ids, params)
+        checked = [_check(ctx, ids, params) for ids in prompt_ids]
     except BaseException as e:
-        return api.fail_before_engine(admitted, e)
+        return failed_before_engine(places, e)
     texts = [p if isinstance(p, str) else None for p in inputs]
     try:
-        outputs = await _run_all(api, request, prompt_ids, params, texts)
+        outputs = await ctx.engine.embed_all(request, checked, texts, places)
     except EngineDeadError:
         return error_response(internal_error(request_id_of(request)))
-    finally:
-        api.in_flight -= admitted
     if any(not isinstance(out, EmbeddingRequestOutput) for out in outputs):
         return error_response(APIError(503, "the request was aborted (the server is shutting down)",
                                        "server_error", code="aborted"))
     tokens = sum(len(ids) for ids in prompt_ids)
     return JSONResponse({
-        "id": api.response_id(request, body, "embd"), "object": "list",
-        "created": int(time.time()), "model": api.engine.model_name,
+        "id": ctx.response_id(request, body, "embd"), "object": "list",
+        "created": int(time.time()), "model": ctx.model.name,
         "data": [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, body.encoding_format)}
                  for i, out in enumerate(outputs)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 
-def _truncate(api, ids: list[int], keep: int | None) -> list[int]:
-    """truncate_prompt_tokens: the last `keep` tokens (-1: as many as the context holds)."""
-    if keep == -1:
-        return ids[-api.engine.scheduler_config.max_model_len:]
-    return ids[-keep:] if keep else ids
-
-
-def _check(api, ids: list[int], params: PoolingParams) -> None:
-    limit = api.engine.scheduler_config.max_model_len
+def _check(ctx: ServingContext, ids: list[int], params: PoolingParams) -> CheckedPooling:
+    """The context length in OpenAI's words, then the engine's check (the one check: the engine queues what
+    it returns as it is)."""
+    limit = ctx.model.max_model_len
     if len(ids) > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length "
                             f"of the input (or set truncate_prompt_tokens).", param="input",
                        code="context_length_exceeded")
-    try:
-        api.engine.validate_pooling(ids, params)
-    except InvalidParameter as e:
-        raise APIError(400, str(e), param="input" if e.param == "prompt" else e.param) from None
-
-
-async def _run_all(api, request: Request, prompt_ids: list[list[int]], params: PoolingParams,
-                   texts: list[str | None]) -> list:
-    """Every input at once (the engine batches them); aborts what is left when the client goes away."""
-    request_ids = [f"embd-{uuid.uuid4().hex}-{i}" for i in range(len(prompt_ids))]
-    for ids in prompt_ids:
-        api.metrics.prompt_tokens.inc(len(ids))
-    api._live.update(request_ids)  # abort_all (the end of a shutdown's grace period) ends them too
-    watcher = api.abort_on_disconnect(request, request_ids)
-
-    async def one(ids: list[int], rid: str, text: str | None):
-        timer = TokenTimer()
-        out = await api.async_engine.embed(ids, params, rid, text)
-        api.metrics.observe_request(timer, out)  # request count, end-to-end and queue time, prompt length
-        return out
-
-    try:
-        return await asyncio.gather(*(one(ids, rid, text) for ids, rid, text in zip(prompt_ids, request_ids, texts)))
-    finally:
-        watcher.cancel()
-        api._live.difference_update(request_ids)
+    return ctx.engine.check_pooling(ids, params, prompt_param="input")
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -186,16 +161,3 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
     return vector
 
-
-def runner_route(api, runner: str, api_name: str, handler):
-    """`handler` where the engine runs with `runner`; elsewhere a 400 that says which runner serves it (a
-    generate-runner server has no embeddings, a pooling one no completions, as in vLLM)."""
-    async def route(request: Request) -> Response:
-        engine = api.engine
-        if engine is not None and engine.runner_type != runner:  # before the engine is built: 503 from handler
-            other = "generate" if runner == "pooling" else "pooling"
-            return error_response(APIError(
-                400, f"The model does not support the {api_name}: this server runs it with --runner {other}; "
-                     f"start it with --runner {runner} for the {api_name}", code="unsupported_api"))
-        return await handler(request)
-    return route

@@ -1,17 +1,17 @@
 """`POST /v1/responses`, `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}`: OpenAI's Responses API,
 run by the chat route's code.
 
-1. Parse the body (server/responses_protocol.py), take the conversation of `previous_response_id` from
+1. Parse the body (server/responses/protocol.py), take the conversation of `previous_response_id` from
    the store (a missing one is a 404, as OpenAI answers), and translate the request into a chat request,
    which `prepare_chat` renders, tokenizes and constrains (tools, `text.format`, reasoning) exactly as
    for `/v1/chat/completions`. An error names the Responses field (`input`, `max_output_tokens`,
    `text.format`), not the chat one it came through.
 2. Run it. Each step's text goes through the chat route's reply reader (thinking, answer, tool calls) into
-   output items (server/responses_output.py). A stream sends `response.created`, `response.in_progress`,
+   output items (server/responses/output.py). A stream sends `response.created`, `response.in_progress`,
    the items' events as they grow, then `response.completed` — or `response.incomplete` when
    max_output_tokens cut the reply, `response.failed` when it was aborted; otherwise the finished
    response object comes back whole. Every event has its `sequence_number`.
-3. A finished response with `store: true` is kept with its conversation (server/response_store.py).
+3. A finished response with `store: true` is kept with its conversation (server/responses/store.py).
 """
 
 from __future__ import annotations
@@ -22,16 +22,19 @@ import time
 
 from pydantic import ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
-from server.chat import prepare_chat
-from server.errors import APIError, error_response, internal_error, request_id_of, validation_error
-from server.protocol import ChatCompletionRequest
-from server.response_store import StoredResponse
-from server.responses import Usage, chat_logprobs
-from server.responses_output import Events, OutputItems, new_id
-from server.responses_protocol import ResponsesRequest, ToolChoiceFunction, input_messages
+from server.http.errors import APIError, error_response, internal_error, request_id_of, validation_error
+from server.http.sse import sse_response
+from server.openai.chat import PreparedChat, prepare_chat
+from server.openai.output_json import Usage, chat_logprobs
+from server.openai.protocol import ChatCompletionRequest
+from server.responses.output import Events, OutputItems, new_id
+from server.responses.protocol import ResponsesRequest, ToolChoiceFunction, input_messages
+from server.responses.store import ResponseStore, StoredResponse
+from server.serving.admission import Places, failed_before_engine
+from server.serving.context import ServingContext
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +43,33 @@ _RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "response_fo
             "response_format": "text.format", "truncate_prompt_tokens": "truncation"}
 
 
-async def responses_route(api, request: Request) -> Response:
-    admitted = 0
+async def responses_route(ctx: ServingContext, store: ResponseStore, request: Request) -> Response:
+    places = Places()
     try:
-        api.require_ready()
-        body: ResponsesRequest = await api.parse(request, ResponsesRequest)
+        ctx.require_ready()
+        body = await ctx.parse(request, ResponsesRequest)
         conversation = []
         if body.previous_response_id is not None:
-            previous = api.stored_responses.get(body.previous_response_id)
+            previous = store.get(body.previous_response_id)
             if previous is None:
                 raise APIError(404, f"Previous response with id '{body.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             conversation = list(previous.messages)
         conversation += input_messages(body.input)
         try:
-            chat = ChatCompletionRequest.model_validate(body.to_chat(conversation, api.engine.scheduler_config.max_model_len))
+            chat = ChatCompletionRequest.model_validate(body.to_chat(conversation, ctx.model.max_model_len))
         except ValidationError as e:
             raise validation_error(e) from None
-        api.admit(1)
-        admitted = 1
-        text, prompt_ids, params, replies = await prepare_chat(api, chat)
+        places = ctx.admission.admit(1)
+        prepared = await prepare_chat(ctx, chat)
     except APIError as e:
-        return api.fail_before_engine(admitted, _renamed(e))
+        return failed_before_engine(places, _renamed(e))
     except BaseException as e:
-        return api.fail_before_engine(admitted, e)
-    run = _Run(api, body, conversation, params, replies, Usage(prompt_ids), Events(enabled=bool(body.stream)))
-    results = api.results(request, prompt_ids, params, [text], run.id, chat.priority, body.model)
+        return failed_before_engine(places, e)
+    run = _Run(ctx, store, body, conversation, prepared, Events(enabled=bool(body.stream)))
+    results = ctx.engine.stream(request, [prepared.request], [prepared.text], run.id, places)
     if body.stream:
-        return StreamingResponse(_events(run, results, request_id_of(request)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_events(run, results, request_id_of(request)))
     try:
         async for _, out in results:
             run.add(out)
@@ -78,17 +79,17 @@ async def responses_route(api, request: Request) -> Response:
     return JSONResponse(run.finish())
 
 
-async def get_response_route(api, request: Request) -> Response:
+async def get_response_route(store: ResponseStore, request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    stored = api.stored_responses.get(response_id)
+    stored = store.get(response_id)
     if stored is None:
         return error_response(_not_found(response_id))
     return JSONResponse(stored.response)
 
 
-async def delete_response_route(api, request: Request) -> Response:
+async def delete_response_route(store: ResponseStore, request: Request) -> Response:
     response_id = request.path_params["response_id"]
-    if not api.stored_responses.delete(response_id):
+    if not store.delete(response_id):
         return error_response(_not_found(response_id))
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
@@ -131,15 +132,17 @@ async def _events(run: _Run, results, request_id: str):
 class _Run:
     """One response as it is generated: its output items, usage and final status."""
 
-    def __init__(self, api, body: ResponsesRequest, conversation: list[dict], params, replies, usage: Usage,
-                 events: Events):
-        self.api, self.body, self.conversation, self.params = api, body, conversation, params[0]
+    def __init__(self, ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, conversation: list[dict],
+                 chat: PreparedChat, events: Events):
+        self.store, self.body, self.conversation, self.params = store, body, conversation, chat.request.params
+        self.model = ctx.model.served_name(chat.request)
+        self.token_str = ctx.model.tokenizer.token_str
         self.id, self.created = new_id("resp"), int(time.time())
-        self.reader = replies.stream()
+        self.reader = chat.replies.stream()
         self.items = OutputItems(events)
-        self.usage = usage
+        self.usage = Usage([chat.prompt_ids])
         # Logprobs go with the answer text: not with thinking, nor with text that tool calls are read from.
-        self.logprobs = self.params.logprobs if replies.calls is None else None
+        self.logprobs = self.params.logprobs if chat.replies.calls is None else None
         self.finish_reason: str | None = None
 
     def add(self, out) -> list[str]:
@@ -152,7 +155,7 @@ class _Run:
         entries = None
         if self.logprobs is not None and out.new_token_ids and not thinking:
             entries = chat_logprobs(out.new_token_ids, out.new_logprobs or [], self.logprobs,
-                                    self.api.engine.tokenizer.token_str)["content"]
+                                    self.token_str)["content"]
         return self.items.add(piece, entries)
 
     @property
@@ -166,7 +169,7 @@ class _Run:
         """The finished response object; kept in the store when the request asked for it."""
         response = self.response(self.status)
         if self.body.store:
-            self.api.stored_responses.put(self.id, StoredResponse(response, self.conversation + [self._turn()]))
+            self.store.put(self.id, StoredResponse(response, self.conversation + [self._turn()]))
         return response
 
     def response(self, status: str) -> dict:
@@ -176,7 +179,7 @@ class _Run:
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
-            "model": self.api.served_name(self.body.model), "output": self.items.items if done else [],
+            "model": self.model, "output": self.items.items if done else [],
             "error": {"code": "server_error", "message": "the request was aborted before it finished"}
             if status == "failed" else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

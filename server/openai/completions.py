@@ -1,9 +1,10 @@
 """`POST /v1/completions`: prompts in, n choices per prompt out, streamed or whole.
 
-1. Admit every (prompt, choice) against the queue limit, tokenize on a worker thread, build the settings.
-   `echo` returns the prompt before the completion; `echo` with `max_tokens: 0` scores the prompt only
-   (one token is generated for the prefill's sake and dropped, as vLLM does), which is what evaluation
-   harnesses send with `logprobs` to get the prompt's log-probabilities.
+1. Admit every (prompt, choice) against the queue limit, tokenize on a worker thread, build the settings
+   and have the engine check each prompt once (server/openai/sampling.py). `echo` returns the prompt
+   before the completion; `echo` with `max_tokens: 0` scores the prompt only (one token is generated for
+   the prefill's sake and dropped, as vLLM does), which is what evaluation harnesses send with `logprobs`
+   to get the prompt's log-probabilities.
 2. Choice k of the response is prompt k // n, choice k % n (OpenAI's order).
 3. Streaming sends each choice's new text (and logprobs) as it becomes final, then its finish reason;
    otherwise the choices are assembled at the end.
@@ -19,42 +20,45 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
-from server.errors import error_response, internal_error, request_id_of
-from server.protocol import CompletionRequest
-from server.responses import Usage, completion_logprobs, event_stream, prompt_logprobs_json, sse
+from server.http.errors import error_response, internal_error, request_id_of
+from server.http.sse import event_stream, sse
+from server.openai.output_json import Usage, completion_logprobs, prompt_logprobs_json
+from server.openai.protocol import CompletionRequest
+from server.openai.sampling import engine_requests
+from server.serving.admission import Places, failed_before_engine
+from server.serving.context import ServingContext
 
 
-async def completions_route(api, request: Request) -> Response:
-    admitted = 0
+async def completions_route(ctx: ServingContext, request: Request) -> Response:
+    places = Places()
     try:
-        api.require_ready()
-        body: CompletionRequest = await api.parse(request, CompletionRequest)
+        ctx.require_ready()
+        body = await ctx.parse(request, CompletionRequest)
         prompts = body.prompts()
-        api.admit(len(prompts) * body.n)
-        admitted = len(prompts) * body.n
+        places = ctx.admission.admit(len(prompts) * body.n)
         for p in prompts:
             if isinstance(p, str):
-                api.prompt_fits(p)
-        tok = api.engine.tokenizer
+                ctx.model.prompt_fits(p)
+        tok = ctx.model.tokenizer
         prompt_ids = await run_in_threadpool(lambda: [
-            api.truncate(tok.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p),
-                         body.truncate_prompt_tokens) for p in prompts])
+            ctx.model.truncate(tok.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p),
+                               body.truncate_prompt_tokens) for p in prompts])
         score_only = body.echo and body.max_tokens == 0
         # Off the event loop: a new structured-output grammar is compiled here.
-        params = await run_in_threadpool(api.check_and_build, body, prompt_ids,
-                                         1 if score_only else body.max_tokens, body.logprobs,
-                                         body.logprobs if body.echo else None)
+        checked = await run_in_threadpool(engine_requests, ctx, body, prompt_ids,
+                                          1 if score_only else body.max_tokens, body.logprobs,
+                                          body.logprobs if body.echo else None)
         echoes = None
         if body.echo:
             echoes = [p if isinstance(p, str) else await run_in_threadpool(tok.decode, ids, False)
                       for p, ids in zip(prompts, prompt_ids)]
     except BaseException as e:
-        return api.fail_before_engine(admitted, e)
-    view = _View(api, body, prompt_ids, echoes, score_only)
+        return failed_before_engine(places, e)
+    view = _View(ctx.model.tokenizer.token_str, body, prompt_ids, echoes, score_only)
     texts = [p if isinstance(p, str) else None for p in prompts]
-    envelope = {"id": api.response_id(request, body, "cmpl"), "object": "text_completion",
-                "created": int(time.time()), "model": api.served_name(body.model)}
-    results = api.results(request, prompt_ids, params, texts, envelope["id"], body.priority, body.model)
+    envelope = {"id": ctx.response_id(request, body, "cmpl"), "object": "text_completion",
+                "created": int(time.time()), "model": ctx.model.served_name(checked[0])}
+    results = ctx.engine.stream(request, checked, texts, envelope["id"], places)
     usage = Usage(prompt_ids)
     if body.stream:
         return event_stream(_events(view, results, usage, envelope), request_id_of(request))
@@ -104,9 +108,9 @@ async def _events(view: "_View", results, usage: Usage, envelope: dict):
 class _View:
     """How one request's outputs read in the response: echo, logprobs, token ids."""
 
-    def __init__(self, api, body: CompletionRequest, prompt_ids, echoes, score_only: bool):
+    def __init__(self, token_str, body: CompletionRequest, prompt_ids, echoes, score_only: bool):
         self.body, self.prompt_ids, self.echoes, self.score_only = body, prompt_ids, echoes, score_only
-        self.token_str = api.engine.tokenizer.token_str
+        self.token_str = token_str
         self.prompt_lps: dict[int, list] = {}  # per prompt, from its choice 0
 
     def note_prompt_logprobs(self, i: int, out) -> None:

@@ -2,7 +2,7 @@
 by the chat and Responses routes.
 
 1. `Replies(body, tool_call_parser, reasoning)` holds what a request decided: whether the reply starts
-   in a thinking block (server/reasoning.py), and how its answer turns into tool calls (server/tool_calls.py:
+   in a thinking block (server/replies/reasoning.py), and how its answer turns into tool calls (server/tools/calls.py:
    a forced call, the server's auto parser, or plain text).
 2. `stream()` gives one choice's reader: `feed(text, tokens)` splits the new text into thinking and answer,
    passes the answer through the tool-call reader and returns a `Piece`; `finish()` returns what was held
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from server.reasoning import ReasoningParser
-from server.tool_calls import replier
-from server.tool_parsers import ToolCall, ToolCallDelta
+from server.replies.reasoning import ReasoningParser
+from server.tools.calls import replier
+from server.tools.parsers import ToolCall, ToolCallDelta
 
 
 @dataclasses.dataclass

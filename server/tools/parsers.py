@@ -5,7 +5,7 @@
    `mistral`. `parse()` splits a whole output into plain content and OpenAI tool calls; `stream()` gives
    one choice's state for doing the same piece by piece.
 2. A small state machine per format reads the text left to right: plain content until the format's
-   marker, then one JSON object per call. A strict JSON scanner (`tool_json.py`) checks that object a
+   marker, then one JSON object per call. A strict JSON scanner (`json_scan.py`) checks that object a
    character at a time and notes where its "name" and "arguments" members lie: the arguments are returned
    exactly as the model wrote them ("{}" when it gave none), and a stream knows where they end as soon as
    they do.
@@ -28,7 +28,7 @@ import dataclasses
 import re
 import secrets
 
-from server.tool_json import WHITESPACE, CallObject, TrimmedText, partial_marker_length, skip_whitespace
+from server.tools.json_scan import WHITESPACE, CallObject, TrimmedText, partial_marker_length, skip_whitespace
 
 
 @dataclasses.dataclass

@@ -23,13 +23,15 @@ import json
 import re
 import uuid
 
-from server import playground
-from server.protocol import error_body
+from server.http.errors import error_body
 
-PUBLIC_PATHS = frozenset({"/health", *playground.PAGE_PATHS})
-# The playground's files, by name (no folders, no dots but the extension's): the page needs them before it
-# can ask for a key.
-_PUBLIC_FILE = re.compile("^" + re.escape(playground.ASSET_PREFIX) + r"[\w-]+\.(?:css|js)$")
+# Where the web playground (server/playground/) serves its page and its files: public, since the page must
+# load before it can ask for the key. The playground takes its paths from here.
+PLAYGROUND_PAGES = ("/", "/playground")
+PLAYGROUND_FILES = "/playground/"
+PUBLIC_PATHS = frozenset({"/health", *PLAYGROUND_PAGES})
+# The playground's files, by name (no folders, no dots but the extension's).
+_PUBLIC_FILE = re.compile("^" + re.escape(PLAYGROUND_FILES) + r"[\w-]+\.(?:css|js)$")
 _REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: safe in a header, a log, JSON
 
 
@@ -105,6 +107,11 @@ class RequestGuard:
     def _too_large(self) -> tuple:
         return (f"Request body exceeds the limit of {self.max_body_bytes} bytes (--max-request-body-bytes)",
                 "invalid_request_error", None, "request_too_large")
+
+
+def client_request_id(request) -> str | None:
+    """The X-Request-Id the client sent, when it is usable as an id (see 1.); None otherwise."""
+    return request.scope.get("state", {}).get("client_request_id")
 
 
 def _route_path(scope) -> str:

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.errors import APIError
-from server.protocol import INT32_MAX, FunctionDefinition, UnsupportedField
+from server.http.bodies import RequestBody
+from server.http.errors import APIError, UnsupportedField
+from server.openai.protocol import INT32_MAX, FunctionDefinition
 
 # Field -> (value that means "not used", why another value is refused).
 _UNSUPPORTED = {
@@ -96,8 +97,8 @@ class ToolChoiceFunction(BaseModel):
     name: str
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+class ResponsesRequest(RequestBody):
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(max_length=4096)
@@ -191,8 +192,9 @@ class ResponsesRequest(BaseModel):
         chat = {name: extra[name] for name in PASSTHROUGH if name in extra}
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         chat["messages"] = system + conversation
-        chat.update(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens,
-                    stream=bool(self.stream), parallel_tool_calls=self.parallel_tool_calls)
+        chat.update(model=self.model, temperature=self.temperature, top_p=self.top_p,
+                    max_tokens=self.max_output_tokens, stream=bool(self.stream),
+                    parallel_tool_calls=self.parallel_tool_calls)
         if self.tools:
             chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

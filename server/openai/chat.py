@@ -1,21 +1,24 @@
 """`POST /v1/chat/completions`: messages in, n assistant replies out, streamed or whole.
 
 1. Admit the request's n choices, render the chat template and tokenize on worker threads, build the
-   settings (`logprobs: true` with `top_logprobs` alternatives per token).
+   settings (`logprobs: true` with `top_logprobs` alternatives per token) and have the engine check them
+   once (server/openai/sampling.py).
 2. With `echo` and a final assistant message, every reply starts with that message's text (vLLM's
    meaning); with `continue_final_message` the prompt ends inside that message, so the reply continues it.
 3. Streaming sends a role chunk per choice, its content as it becomes final, then its finish reason;
    otherwise the replies are assembled at the end.
-4. Tools (server/tool_calls.py): "required" and a named function constrain the reply to calls; "auto"
+4. Tools (server/tools/calls.py): "required" and a named function constrain the reply to calls; "auto"
    parses the free reply with the server's --tool-call-parser. Calls go out as `tool_calls`, streamed as
    argument pieces, and a reply that ended with calls ends with finish_reason "tool_calls".
 5. With --reasoning-parser the thinking goes out as `reasoning_content` (and `reasoning`, vLLM's newer
    name), apart from `content`; tools and structured outputs apply to the answer after it
-   (server/replies.py). `prepare_chat` is also the Responses API's way in (server/responses_api.py).
+   (server/replies/reader.py). `prepare_chat` is also the Responses API's way in
+   (server/responses/routes.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from starlette.concurrency import run_in_threadpool
@@ -24,67 +27,81 @@ from starlette.responses import JSONResponse, Response
 
 from jaxserve.entrypoints.async_engine import EngineDeadError
 from jaxserve.outputs import CompletionOutput
-from server.errors import APIError, error_response, internal_error, request_id_of
-from server.protocol import ChatCompletionRequest
-from server.reasoning import END
-from server.replies import Piece, Replies
-from server.responses import (Usage, chat_logprobs, event_stream, prompt_logprobs_json, sse, tool_call_delta_json,
-                              tool_call_json)
+from jaxserve.scheduling.validation import CheckedRequest
+from server.http.errors import APIError, error_response, internal_error, request_id_of
+from server.http.sse import event_stream, sse
+from server.openai.output_json import Usage, chat_logprobs, prompt_logprobs_json, tool_call_delta_json, tool_call_json
+from server.openai.prompts import render_chat
+from server.openai.protocol import ChatCompletionRequest
+from server.openai.sampling import engine_requests
+from server.replies.reader import Piece, Replies
+from server.replies.reasoning import END
+from server.serving.admission import Places, failed_before_engine
+from server.serving.context import ServingContext
 
 
-async def prepare_chat(api, body: ChatCompletionRequest) -> tuple[str, list[list[int]], list, Replies]:
-    """Everything before the engine, for a parsed chat request: (prompt text, prompt ids, settings, how the
-    replies read). The caller has admitted body.n requests. Raises APIError."""
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat request ready for the engine."""
+    text: str  # the rendered prompt
+    prompt_ids: list[int]
+    request: CheckedRequest  # what the engine checked and will run: settings, adapter
+    replies: Replies  # how its replies read: thinking, answer, tool calls
+
+
+async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+    """Everything before the engine, for a parsed chat request. The caller has admitted body.n requests.
+    Raises APIError."""
     if body.tool_mode == "auto" and body.tools:
-        if not api.options.tool_call_parser:
+        if not ctx.options.tool_call_parser:
             raise APIError(400, '"auto" tool choice (the default when tools are given) needs a server started '
                                 'with --enable-auto-tool-choice and --tool-call-parser; or send tool_choice '
                                 '"required", "none" or a named function', param="tool_choice")
-        if api.options.tool_call_parser == "mistral":
+        if ctx.options.tool_call_parser == "mistral":
             body.skip_special_tokens = False  # its calls start with the special token [TOOL_CALLS]
-    if not body.include_reasoning and api.reasoning is None:
+    if not body.include_reasoning and ctx.reasoning is None:
         raise APIError(400, "include_reasoning: false needs a server started with --reasoning-parser",
                        param="include_reasoning", code="unsupported_parameter")
     for i, m in enumerate(body.messages):
-        api.prompt_fits(m.text, f"messages.{i}.content")
-    text = await run_in_threadpool(api.render_chat, body)
-    api.prompt_fits(text, "messages")
+        ctx.model.prompt_fits(m.text, f"messages.{i}.content")
+    text = await run_in_threadpool(render_chat, ctx, body)
+    ctx.model.prompt_fits(text, "messages")
     # The template writes any BOS itself: by default encode adds nothing more.
-    ids = await run_in_threadpool(api.engine.tokenizer.encode, text, body.add_special_tokens)
-    prompt_ids = [api.truncate(ids, body.truncate_prompt_tokens)]
+    ids = await run_in_threadpool(ctx.model.tokenizer.encode, text, body.add_special_tokens)
+    prompt_ids = [ctx.model.truncate(ids, body.truncate_prompt_tokens)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    replies = Replies(body, api.options.tool_call_parser, api.reasoning, text)
+    replies = Replies(body, ctx.options.tool_call_parser, ctx.reasoning, text)
     # Off the event loop: a new structured-output grammar is compiled here. While the reply thinks, the
     # grammar waits for the end of the thinking.
-    params = await run_in_threadpool(api.check_and_build, body, prompt_ids, body.max_tokens, logprobs, None,
-                                     END if replies.thinking else None)
-    return text, prompt_ids, params, replies
+    checked = await run_in_threadpool(engine_requests, ctx, body, prompt_ids, body.max_tokens, logprobs, None,
+                                      END if replies.thinking else None)
+    return PreparedChat(text, prompt_ids[0], checked[0], replies)
 
 
-async def chat_route(api, request: Request) -> Response:
-    admitted = 0
+async def chat_route(ctx: ServingContext, request: Request) -> Response:
+    places = Places()
     try:
-        api.require_ready()
-        body: ChatCompletionRequest = await api.parse(request, ChatCompletionRequest)
-        api.admit(body.n)
-        admitted = body.n
-        text, prompt_ids, params, replies = await prepare_chat(api, body)
+        ctx.require_ready()
+        body = await ctx.parse(request, ChatCompletionRequest)
+        places = ctx.admission.admit(body.n)
+        chat = await prepare_chat(ctx, body)
     except BaseException as e:
-        return api.fail_before_engine(admitted, e)
-    logprobs = params[0].logprobs
+        return failed_before_engine(places, e)
+    replies = chat.replies
+    logprobs = chat.request.params.logprobs
     last = body.messages[-1]
     prefix = last.text if body.echo and last.role == "assistant" else ""
-    token_str = api.engine.tokenizer.token_str
+    token_str = ctx.model.tokenizer.token_str
 
     def logprobs_of(ids, entries):
         if logprobs is None:
             return None
         return chat_logprobs(ids, entries, logprobs, token_str, body.return_tokens_as_token_ids)
 
-    envelope = {"id": api.response_id(request, body, "chatcmpl"), "created": int(time.time()),
-                "model": api.served_name(body.model)}
-    results = api.results(request, prompt_ids, params, [text], envelope["id"], body.priority, body.model)
-    usage = Usage(prompt_ids)
+    envelope = {"id": ctx.response_id(request, body, "chatcmpl"), "created": int(time.time()),
+                "model": ctx.model.served_name(chat.request)}
+    results = ctx.engine.stream(request, [chat.request], [chat.text], envelope["id"], places)
+    usage = Usage([chat.prompt_ids])
     if body.stream:
         chunk = {**envelope, "object": "chat.completion.chunk"}
         streams = {k: replies.stream() for k in range(body.n)}
@@ -150,7 +167,7 @@ async def chat_route(api, request: Request) -> Response:
     if body.prompt_logprobs is not None:
         reply["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
     if body.return_token_ids:
-        reply["prompt_token_ids"] = prompt_ids[0]
+        reply["prompt_token_ids"] = chat.prompt_ids
     return JSONResponse(reply)
 
 

@@ -1,8 +1,10 @@
 """Prometheus metrics under the `jaxserve:` prefix, each also under vLLM's `vllm:` name, in a registry per app
 (tests build several apps).
 
-1. The request handlers feed the latency histograms and token counters as tokens reach the client
-   (`observe_request` once a request ends, with the queue time the engine measured); state gauges
+1. The engine client (server/serving/engine_client.py) feeds the latency histograms and token counters
+   through this class's methods as tokens reach the client (`count_prompt` as a request is queued,
+   `count_generated` per output, `observe_request` once it ends, with the queue time the engine
+   measured); nothing else changes them. State gauges
    (running, waiting, KV usage) and engine-owned counters (compilations since warm-up, preemptions,
    prefix-cache queries and hits in tokens, steps and the sequences and tokens they held) are read from
    the engine at scrape time, so they never drift from the truth.
@@ -179,7 +181,7 @@ class _Exporter:
                 yield twin
 
 
-# attribute -> (our name, help, buckets) of the histograms the request handlers feed.
+# Histogram -> (our name, help, buckets); `observe_request` feeds them (attributes `_ttft`, `_itl`, ...).
 _HISTOGRAMS = {
     "ttft": ("jaxserve:time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS),
     "itl": ("jaxserve:inter_token_latency_seconds", "Time between tokens of a request", LATENCY_BUCKETS),
@@ -199,35 +201,42 @@ _HISTOGRAMS = {
 class Metrics:
     def __init__(self, async_engine: AsyncEngine):
         for attribute, (name, doc, buckets) in _HISTOGRAMS.items():
-            setattr(self, attribute, Histogram(name, doc, registry=None, buckets=buckets))
-        self.prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=None)
-        self.generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=None)
-        self.requests = Counter("jaxserve:request_success", "Finished requests by finish reason",
-                                ["finished_reason"], registry=None)
+            setattr(self, f"_{attribute}", Histogram(name, doc, registry=None, buckets=buckets))
+        self._prompt_tokens = Counter("jaxserve:prompt_tokens", "Prompt tokens of admitted requests", registry=None)
+        self._generation_tokens = Counter("jaxserve:generation_tokens", "Tokens generated", registry=None)
+        self._requests = Counter("jaxserve:request_success", "Finished requests by finish reason",
+                                 ["finished_reason"], registry=None)
         self.registry = CollectorRegistry()
         self.registry.register(_Exporter(async_engine, [
-            *(getattr(self, attribute) for attribute in _HISTOGRAMS),
-            self.prompt_tokens, self.generation_tokens, self.requests]))
+            *(getattr(self, f"_{attribute}") for attribute in _HISTOGRAMS),
+            self._prompt_tokens, self._generation_tokens, self._requests]))
+
+    def count_prompt(self, tokens: int) -> None:
+        """A request's prompt, as it is queued."""
+        self._prompt_tokens.inc(tokens)
+
+    def count_generated(self, tokens: int) -> None:
+        self._generation_tokens.inc(tokens)
 
     def observe_request(self, timer: TokenTimer, out) -> None:
         """A request (one choice) has finished with output `out`: its latencies and lengths."""
         if timer.first_token is not None:
-            self.ttft.observe(timer.first_token)
+            self._ttft.observe(timer.first_token)
         for gap in timer.gaps:
-            self.itl.observe(gap)
-        self.e2e.observe(timer.total)
-        self.requests.labels(finished_reason=out.finish_reason or "unknown").inc()
-        self.prompt_lengths.observe(len(out.prompt_token_ids))
-        self.output_lengths.observe(out.num_output_tokens)
+            self._itl.observe(gap)
+        self._e2e.observe(timer.total)
+        self._requests.labels(finished_reason=out.finish_reason or "unknown").inc()
+        self._prompt_lengths.observe(len(out.prompt_token_ids))
+        self._output_lengths.observe(out.num_output_tokens)
         if out.queue_seconds is None:  # never admitted (aborted while queued)
-            self.queue.observe(timer.total)
+            self._queue.observe(timer.total)
             return
-        self.queue.observe(out.queue_seconds)
+        self._queue.observe(out.queue_seconds)
         if timer.first_token is not None:
             last = timer.last - timer.start
-            self.prefill.observe(max(0.0, timer.first_token - out.queue_seconds))
-            self.decode.observe(last - timer.first_token)
-            self.inference.observe(max(0.0, last - out.queue_seconds))
+            self._prefill.observe(max(0.0, timer.first_token - out.queue_seconds))
+            self._decode.observe(last - timer.first_token)
+            self._inference.observe(max(0.0, last - out.queue_seconds))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

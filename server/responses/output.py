@@ -1,7 +1,7 @@
 """A response's output items as they grow, and the stream events that announce them (OpenAI's Responses
 API shapes and order).
 
-1. `OutputItems.add(piece)` takes one step of a reply (server/replies.py: thinking, answer text, tool-call
+1. `OutputItems.add(piece)` takes one step of a reply (server/replies/reader.py: thinking, answer text, tool-call
    pieces) and extends the output: a `reasoning` item, a `message` item with one `output_text` part, one
    `function_call` item per call, in the order the model wrote them. Opening an item closes the one
    before. It returns the events, in the documented order:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.replies import Piece
+from server.replies.reader import Piece
 
 
 def new_id(prefix: str) -> str:

@@ -1,9 +1,9 @@
-"""OpenAI-compatible request bodies (pydantic) and the error shape.
+"""OpenAI-compatible request bodies (pydantic) of the completion and chat routes.
 
-Validation happens here, before anything reaches the engine: a body that fails it is a 400 with
+A body's shape is validated here, before anything reaches the engine: a body that fails is a 400 with
 `{"error": {"message", "type", "param", "code"}}`. Every field has a type and a range that the engine can
-hold (token ids, top_k and the logprob counts are also checked against the model and the engine's fixed
-sizes by the engine, which knows them); floats must be finite.
+hold; floats must be finite. What depends on the model and the engine's fixed sizes (token ids, top_k,
+the logprob counts, a grammar) the engine checks, once per prompt (server/openai/sampling.py).
 
 Every field of vLLM's completion and chat request models is either implemented or refused by name with a
 400 (`_UNSUPPORTED`: a field that stays at its default is fine, any other value is refused); fields
@@ -20,8 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxserve.sampling.params import InvalidParameter, SamplingParams
 from jaxserve.sampling.grammar import StructuredOutputsParams
+from jaxserve.sampling.params import InvalidParameter, SamplingParams
+from server.http.bodies import RequestBody
+from server.http.errors import UnsupportedField
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +113,10 @@ class StructuredOutputsBody(BaseModel):
 _GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
-class _Request(BaseModel):
+class _Request(RequestBody):
     """Fields common to both routes, in vLLM's names, types and defaults."""
     # NaN and infinities never pass: Python's JSON parser accepts them, the sampler must not see them.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=64)
@@ -232,10 +234,6 @@ class _Request(BaseModel):
         return specs[0] if specs else None
 
     @property
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
-
-    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -259,14 +257,6 @@ class _Request(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             cache_salt=self.cache_salt, structured_outputs=self.structured_spec())
-
-
-class UnsupportedField(ValueError):
-    """A field this server refuses by name (pydantic wraps it; the app reports `param`)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class CompletionRequest(_Request):
@@ -420,9 +410,9 @@ class ChatCompletionRequest(_Request):
         return next((t.function for t in self.tools or () if t.function.name == name), None)
 
     def structured_spec(self) -> StructuredOutputsParams | None:
-        """`required` and a named tool constrain the reply like a JSON Schema (server/tool_calls.py); that
+        """`required` and a named tool constrain the reply like a JSON Schema (server/tools/calls.py); that
         leaves no room for another constraint."""
-        from server.tool_calls import tool_choice_spec
+        from server.tools.calls import tool_choice_spec
         spec, forced = super().structured_spec(), tool_choice_spec(self)
         if spec is not None and forced is not None:
             raise InvalidParameter("tool_choice", f"tool_choice {self.tool_mode} and {spec.field} both constrain "
@@ -438,8 +428,3 @@ class ChatCompletionRequest(_Request):
         if self.tools:
             variables["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return variables
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
