@@ -34,9 +34,10 @@ from jaxserve.engine.roofline import StepWork
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import KVShare, page_bytes, resolve_kv_budget
 from jaxserve.execution.programs import StepPrograms
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
-from jaxserve.loader.load import abstract_weights
-from jaxserve.loader.quantized import checkpoint_quantization, quantized_config, stored_quantization
+from jaxserve.loader.formats import Checkpoint
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.kv_quant import kv_quant_dtype
@@ -274,7 +275,7 @@ def _version(distribution: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_parallel: bool, dtype_flag: str,
-                    quantization: tuple) -> tuple[ModelConfig, object, int, KVShare]:
+                    quantization: QuantizationFlags) -> tuple[ModelConfig, object, int, KVShare]:
     """(config, dtype, weight bytes a device holds, the device's share of a page) for these options: the
     abstract model placed on the target's mesh. Cached: the advice's searches over context length and
     sequences keep the weights."""
@@ -282,20 +283,17 @@ def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_par
     plan_ = make_plan(ParallelConfig(tp, pp, expert_parallel), num_layers=config.num_layers,
                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, devices=compile_devices(target))
     dtype = resolve_dtype(dtype_flag, config, target.platform)
-    requested, strategy, lm_head, embedding = quantization
-    config = quantized_config(config, requested, checkpoint_quantization(model_dir), strategy, lm_head,
-                              stored_quantization(model_dir), embedding, target.platform)
-    weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
+    config = Checkpoint.read(model_dir).served_config(config, quantization, target.platform)
+    weights = bytes_per_device(AbstractModel(config, dtype, plan_).shapes().params)
     return config, dtype, weights, KVShare.of(config, plan_)
 
 
 def footprint(args: EngineArgs, target: Target, other: int) -> Footprint:
     """One device's bytes for `args` on `target` without compiling: the weights and the pool recomputed,
     `other` (the programs' own buffers) as compiled for the plan being advised."""
-    quantization = (args.quantization, args.quantization_strategy, args.quantize_lm_head, args.quantize_embedding)
     config, dtype, weights, share = _placed_weights(
         args.model_dir, target, args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel,
-        args.dtype, quantization)
+        args.dtype, QuantizationFlags.of(args))
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or dtype
     max_len = args.max_model_len or config.max_position_embeddings
     free = device_limit(target.chip) - weights

@@ -66,7 +66,7 @@ class StepPrograms:
               scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
               sampler_config: SamplerConfig = SamplerConfig(), pooling: bool = False, lora_stack=None,
               max_drafts: int = 0, compiler_options: dict | None = None) -> "StepPrograms":
-        """`model`'s parameters may be arrays or shapes (`loader.load.abstract_weights`); `lora_stack`: the
+        """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `lora_stack`: the
         LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
         sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program."""
         plan = model.plan
