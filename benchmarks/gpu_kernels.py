@@ -75,10 +75,10 @@ import gpu_engine_args  # noqa: E402
 import gpu_engine_step  # noqa: E402
 from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa: E402
 from pallas_kernels import ragged_gpu  # noqa: E402
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens  # noqa: E402
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES  # noqa: E402
 from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
 from pallas_kernels.testing import (INTERPRET_COMPILER_OPTIONS, interpreted, jitted_reference,  # noqa: E402
-                                    random_ragged_case)
+                                    quantize_pages, random_ragged_case)
 
 H, KVH, D = 32, 8, 128  # the timed shapes: a Llama-3-8B-like layer
 
@@ -141,11 +141,11 @@ def run_checks(results: list) -> None:
         for kv_dtype in KV_CACHE_DTYPES:
             name = f"ragged bfloat16 over {kv_dtype} pages {setup['name']}"
             try:
-                k, k_scales = quantize_kv_tokens(jnp.asarray(case.paged.k_pages), KV_CACHE_DTYPES[kv_dtype])
-                v, v_scales = quantize_kv_tokens(jnp.asarray(case.paged.v_pages), KV_CACHE_DTYPES[kv_dtype])
+                (k, v), scales = quantize_pages(jnp.asarray(case.paged.k_pages), jnp.asarray(case.paged.v_pages),
+                                                kv_dtype)
                 args = (jnp.asarray(case.q, "bfloat16"), k, v, jnp.asarray(case.kv_lens),
                         jnp.asarray(case.paged.page_tables), jnp.asarray(case.cu_q_lens))
-                opts = dict(sm_scale=setup["d"] ** -0.5, k_scales=k_scales, v_scales=v_scales, **setup["opts"])
+                opts = dict(sm_scale=setup["d"] ** -0.5, **scales, **setup["opts"])
                 got = kernel(*args, **opts)
                 with jax.default_matmul_precision("highest"):
                     want = jitted_reference(*args, **opts)
@@ -237,11 +237,11 @@ def run_decode(args, rows: list) -> None:
 
         guarded(rows, "decode reference", f"pages={page_size}", reference)
 
-        for kv_dtype, page_dtype in KV_CACHE_DTYPES.items():
-            def quantized(batch=batch, kv_dtype=kv_dtype, page_dtype=page_dtype):
+        for kv_dtype in KV_CACHE_DTYPES:
+            def quantized(batch=batch, kv_dtype=kv_dtype):
                 q, k_pages, v_pages, *rest = batch
-                (k, k_scales), (v, v_scales) = (quantize_kv_tokens(p, page_dtype) for p in (k_pages, v_pages))
-                t = timed_kernel((q, k, v, *rest), k_scales=k_scales, v_scales=v_scales)
+                (k, v), scales = quantize_pages(k_pages, v_pages, kv_dtype)
+                t = timed_kernel((q, k, v, *rest), **scales)
                 base = timed_kernel(batch)
                 read = 2 * b * KVH * ctx * (D + 4) + qo_bytes  # 1-byte codes + a float32 scale per token-head
                 gbs = read / t / 1e9

@@ -8,15 +8,21 @@
    writes the text it knows; a random model's tokens are as good as any).
 3. Reported: the share of positions where the quantized model's argmax equals float32's, and the
    perplexity of each model on `--story` (default: stories260K's documented greedy story), its rise in %.
+4. `--quantize-lm-head` adds each variant with the (untied) LM head quantized too; `--untie` scores a copy of
+   a tied model whose LM head is a copy of its embedding (the same model, with a head of its own to quantize).
 
     ./dev run python benchmarks/quantized_accuracy.py --model ../shared/models/stories260K
     ./dev run python benchmarks/quantized_accuracy.py --model /tmp/llama110m-random --text README.md
+    ./dev run python benchmarks/quantized_accuracy.py --model ../shared/models/stories260K --quantization int8 \
+        --untie --quantize-lm-head
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +96,22 @@ def compare(model: str, variants: list[dict], tokens: int = 2000, text: str | No
     return results
 
 
+def untied_copy(model: str, directory: Path) -> str:
+    """A copy of the tied checkpoint `model` in `directory` whose LM head is a copy of its embedding table."""
+    from safetensors.numpy import load_file, save_file
+    source, out = Path(model), directory / f"{Path(model).name}-untied"
+    out.mkdir()
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (out / f.name).symlink_to(f.resolve())
+    tensors = load_file(source / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    return str(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -99,14 +121,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--text", default=None, help="a text file to score (default: stories the model samples)")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--quantize-lm-head", action="store_true", help="each variant also with the LM head quantized")
+    ap.add_argument("--untie", action="store_true",
+                    help="score a copy of the (tied) model whose LM head is a copy of its embedding")
     args = ap.parse_args(argv)
-    variants = [dict(quantization=q, **({} if st == "auto" else {"quantization_strategy": st}))
+    variants = [dict(quantization=q, **({} if st == "auto" else {"quantization_strategy": st}), **head)
                 for q in args.quantization for st in args.strategies
-                if not (q == "fp8" and st == "dynamic_int8") and not (q == "int8" and st == "dynamic_fp8")]
+                if not (q == "fp8" and st == "dynamic_int8") and not (q == "int8" and st == "dynamic_fp8")
+                for head in ([{}, {"quantize_lm_head": True}] if args.quantize_lm_head else [{}])]
     print("| model | weights | strategy | positions | argmax = float32 | perplexity float32 | perplexity quantized | rise |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    for r in compare(args.model, variants, args.tokens, args.text, max_model_len=args.max_model_len):
-        print(f"| {Path(args.model).name} | {r['variant']['quantization']} | {r['strategy']} | {r['positions']} | "
+    scratch = tempfile.TemporaryDirectory()
+    model = untied_copy(args.model, Path(scratch.name)) if args.untie else args.model
+    for r in compare(model, variants, args.tokens, args.text, max_model_len=args.max_model_len):
+        weights = r["variant"]["quantization"] + (", LM head too" if r["variant"].get("quantize_lm_head") else "")
+        print(f"| {Path(model).name} | {weights} | {r['strategy']} | {r['positions']} | "
               f"{100 * r['agreement']:.2f}% | {r['perplexity_float32']:.4f} | {r['perplexity_quantized']:.4f} | "
               f"{100 * r['perplexity_rise']:+.2f}% |")
     print(f"Reproduce: ./dev run python benchmarks/quantized_accuracy.py {' '.join(argv or sys.argv[1:])}")

@@ -29,6 +29,10 @@ LAYER_LOOPS = ("auto", "unroll", "scan")
 # What runs a CPU step program's matrix products (`jaxserve/execution/cpu_matmuls.py`).
 CPU_MATMUL_LIBRARIES = ("auto", "ynnpack", "eigen", "ynnpack-feature-major")
 LINEAR_CODE_DTYPES = ("int8", "fp8", "int4", "uint4")  # uint4: asymmetric int4 with zero points
+# `--quantized-matmul`: what runs weight-only quantized products (jaxserve/engine/kernel_choice.py): "auto" times
+# a Pallas kernel against XLA's product per shape at start on a GPU or TPU (XLA on a CPU), "xla" never runs the
+# kernels, "pallas" runs them for every decode-sized product (in interpret mode on a CPU: tests).
+QUANTIZED_MATMULS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

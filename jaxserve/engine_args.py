@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxserve.builtin_models import RANDOM_DEMO_MODEL, directory_of, is_random_demo, resolve_model
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, SpeculativeConfig, validate_scheduling_options
+from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, QUANTIZED_MATMULS, SpeculativeConfig,
+                             validate_scheduling_options)
 from jaxserve.json_files import read_json_object
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
@@ -48,6 +49,9 @@ class EngineArgs:
     quantization_strategy: str | None = None
     quantize_lm_head: bool = False  # with --quantization: the (untied) LM head too, as llama.cpp's Q8_0 does
     quantize_embedding: bool = False  # with --quantization: the (untied) token embedding too, per token row
+    # Weight-only quantized products of decode-sized batches: "auto" times a Pallas kernel against XLA's at start
+    # on a GPU / TPU, the faster per shape; "xla" / "pallas" force one (jaxserve/engine/kernel_choice.py).
+    quantized_matmul: str = "auto"
     max_num_batched_tokens: int | None = None  # token budget of one step; default: 2048
     token_buckets: tuple[int, ...] | None = None  # padded step sizes; default: powers of two up to the budget
     scheduling_policy: str = "fcfs"  # or "priority": lower request priority first, may preempt
@@ -101,6 +105,9 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        if self.quantized_matmul not in QUANTIZED_MATMULS:
+            raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMULS)}, got "
+                             f"{self.quantized_matmul!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

@@ -10,9 +10,11 @@
    it likes (`attend_paged_blocks`, one per sequence whose rows share the query block, each masking
    the rows that are not its own), and normalises once at the end (`normalised_output`).
 The double-buffered DMA protocol (start block i+1, wait for block i, compute) lives here once.
-Quantized pages (`kv_quant.py`) add two HBM operands, the per-token scales, and two VMEM buffers: each
-page's scales travel with its codes (same semaphore, own wait), so a block costs a quarter (int8 / fp8
-against float32) of the bytes plus 4 per key and head.
+Quantized pages (`kv_quant.py`) add two HBM operands, the lane-dense per-token scales, and two VMEM
+buffers: each page's row of scales (128 of them, the page's own page_size at a lane offset; or its whole
+rows for pages of 128 tokens and more) travels with its codes (same semaphore, own wait), and
+`block_scales` rotates each page's share into place to give the block's keys' scales as one row. A block
+costs a quarter (int8 / fp8 against float32) of the bytes plus one 512-byte row per page and head.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._paged_common import MASK_VALUE, block_scores, online_softmax_step, tpu_interpret_params
+from pallas_kernels.kv_quant import SCALE_LANES
 
 
 class PagedRefs(NamedTuple):
-    """One layer's K/V in HBM (`[num_kv_heads, num_pages, page_size, head_dim]`, scales without head_dim),
-    or their VMEM double buffers (`[2, pages_per_block, page_size(, head_dim)]`); scales None for float pages."""
+    """One layer's K/V in HBM (`[num_kv_heads, num_pages, page_size, head_dim]`, scales lane-dense
+    `[num_kv_heads, rows, 128]`), or their VMEM double buffers (`[2, pages_per_block, page_size, head_dim]`,
+    scales `[2, pages_per_block * rows_per_page, 128]`); scales None for float pages."""
     k: object
     v: object
     k_scales: object = None
@@ -62,6 +66,33 @@ def normalised_output(l_ref, acc_ref) -> jax.Array:
     return acc_ref[...] / jnp.where(l > 0, l, 1.0)
 
 
+def rows_per_page(page_size: int) -> int:
+    """Rows of lane-dense scales a page's DMA brings: the one holding its scales, or its own whole rows."""
+    return max(1, page_size // SCALE_LANES)
+
+
+def block_scales(rows: jax.Array, lane_offsets: list, page_size: int) -> jax.Array:
+    """A key block's scales as one row [1, block_k], from its pages' DMA'd rows [pages * rows_per_page, 128].
+
+    A page of fewer than 128 tokens has its scales at `lane_offsets[j]` (dynamic) of its row: a lane
+    rotation moves them to lanes j * page_size.. of the block's chunk of 128 keys, and a lane mask keeps
+    them. Pages of 128 tokens and more are their rows, in order."""
+    pages = len(lane_offsets)
+    if page_size >= SCALE_LANES:
+        return rows.reshape(1, pages * page_size)
+    per_chunk = SCALE_LANES // page_size  # pages whose keys share one 128-lane chunk of the block
+    owner = lax.broadcasted_iota(jnp.int32, (1, SCALE_LANES), 1) // page_size
+    chunks = []
+    for first in range(0, pages, per_chunk):
+        chunk = jnp.zeros((1, SCALE_LANES), jnp.float32)
+        for j in range(first, min(first + per_chunk, pages)):
+            shift = lax.rem((j - first) * page_size - lane_offsets[j] + SCALE_LANES, SCALE_LANES)
+            chunk = jnp.where(owner == j - first, pltpu.roll(rows[j:j + 1], shift, 1), chunk)
+        chunks.append(chunk)
+    row = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
+    return row[:, :pages * page_size]
+
+
 def attend_paged_blocks(q: jax.Array, page_id: Callable, hbm: PagedRefs, bufs: PagedRefs, sems, m_ref, l_ref,
                         acc_ref, *, kv_head, start_blk, num_iters, mask: Callable, sm_scale: float,
                         soft_cap: float | None, precision) -> None:
@@ -75,17 +106,23 @@ def attend_paged_blocks(q: jax.Array, page_id: Callable, hbm: PagedRefs, bufs: P
     _, pages_per_block, page_size, head_dim = bufs.k.shape
     block_k = pages_per_block * page_size
     quantized = bufs.k_scales is not None
-    # Which HBM array goes to which buffer on which semaphore row: a page's scales share its codes' row.
-    streams = [(hbm.k, bufs.k, 0), (hbm.v, bufs.v, 1)]
-    if quantized:
-        streams += [(hbm.k_scales, bufs.k_scales, 0), (hbm.v_scales, bufs.v_scales, 1)]
+    rpp = rows_per_page(page_size)
+
+    def scale_row(page):  # the first row of lane-dense scales holding the page's, and its lane offset there
+        return lax.div(page * page_size, SCALE_LANES), lax.rem(page * page_size, SCALE_LANES)
 
     def copies(blk, slot):
         out = []
         for j in range(pages_per_block):
             page = page_id(blk * pages_per_block + j)
-            for src, dst, sem in streams:
+            # K on semaphore row 0, V on row 1; a page's scales share its codes' row.
+            for sem, (src, dst) in enumerate(((hbm.k, bufs.k), (hbm.v, bufs.v))):
                 out.append(pltpu.make_async_copy(src.at[kv_head, page], dst.at[slot, j], sems.at[sem, slot]))
+            if quantized:
+                row = pl.ds(scale_row(page)[0], rpp)
+                for sem, (src, dst) in enumerate(((hbm.k_scales, bufs.k_scales), (hbm.v_scales, bufs.v_scales))):
+                    out.append(pltpu.make_async_copy(src.at[kv_head, row], dst.at[slot, pl.ds(j * rpp, rpp)],
+                                                     sems.at[sem, slot]))
         return out
 
     @pl.when(num_iters > 0)
@@ -109,8 +146,9 @@ def attend_paged_blocks(q: jax.Array, page_id: Callable, hbm: PagedRefs, bufs: P
         k_scale = v_scale = None
         if quantized:  # codes -> q's dtype is exact; the scales multiply scores and value weights
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-            k_scale = bufs.k_scales[slot].reshape(1, block_k)
-            v_scale = bufs.v_scales[slot].reshape(1, block_k)
+            lanes = [scale_row(page_id(blk * pages_per_block + j))[1] for j in range(pages_per_block)]
+            k_scale = block_scales(bufs.k_scales[slot], lanes, page_size)
+            v_scale = block_scales(bufs.v_scales[slot], lanes, page_size)
         s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision, k_scale=k_scale)
         acc_ref[...], m_ref[...], l_ref[...] = online_softmax_step(acc_ref[...], m_ref[...], l_ref[...], s,
                                                                    mask(blk), v, precision, v_scale)
@@ -128,7 +166,8 @@ def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, kv: 
     quantized = kv.k_scales is not None
     operands = kv if quantized else kv[:2]
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), kv.k.dtype)
-    scale_bufs = [pltpu.VMEM((2, pages_per_block, page_size), kv.k_scales.dtype)] * 2 if quantized else []
+    scale_rows = pages_per_block * rows_per_page(page_size)
+    scale_bufs = [pltpu.VMEM((2, scale_rows, SCALE_LANES), kv.k_scales.dtype)] * 2 if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=grid,

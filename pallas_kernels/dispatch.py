@@ -89,17 +89,24 @@ def _flavour_backend(flavour: str, interpret: bool) -> AttentionBackend:
     return AttentionBackend(name, ragged)
 
 
-def kernels_for_platform(platform: str, *, cpu_flavour: str | None = None) -> AttentionBackend:
-    """The Pallas attention backend for `platform` ("gpu", "cuda", "rocm", "tpu" or "cpu")."""
+def kernel_flavour(platform: str, cpu_flavour: str | None = None) -> tuple[str, bool]:
+    """(flavour, interpret) of the Pallas kernels on `platform` ("gpu", "cuda", "rocm", "tpu" or "cpu"): Triton
+    on GPUs, Mosaic on TPUs; on a CPU the `cpu_flavour` argument, else $JAXSERVE_PALLAS_CPU_FLAVOUR, else
+    Triton, in interpret mode."""
     platform = platform.lower()
     if platform in ("gpu", "cuda", "rocm"):
-        return _flavour_backend("triton", interpret=False)
+        return "triton", False
     if platform == "tpu":
-        return _flavour_backend("mosaic", interpret=False)
+        return "mosaic", False
     if platform == "cpu":
         requested = cpu_flavour or os.environ.get(CPU_FLAVOUR_ENV) or "triton"
         if requested.lower() not in _FLAVOURS:
             raise ValueError(f"Pallas CPU flavour must be one of {sorted(_FLAVOURS)} (argument cpu_flavour or "
                              f"${CPU_FLAVOUR_ENV}), got {requested!r}")
-        return _flavour_backend(_FLAVOURS[requested.lower()], interpret=True)
-    raise NotImplementedError(f"no Pallas attention kernels for platform {platform!r}")
+        return _FLAVOURS[requested.lower()], True
+    raise NotImplementedError(f"no Pallas kernels for platform {platform!r}")
+
+
+def kernels_for_platform(platform: str, *, cpu_flavour: str | None = None) -> AttentionBackend:
+    """The Pallas attention backend for `platform` ("gpu", "cuda", "rocm", "tpu" or "cpu")."""
+    return _flavour_backend(*kernel_flavour(platform, cpu_flavour))

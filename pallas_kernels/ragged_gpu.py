@@ -23,8 +23,8 @@
    larger buckets so the partial outputs stay small); measured on an H200 (docs/performance.md), one
    sequence of 32768 keys took 1.128 ms unsplit and 0.136 / 0.108 ms with 16 / 32 splits.
 Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
-`[num_pages, page_size]` operand per KV head each for K and V), converted to q's dtype in registers, and
-the scales folded into the scores and the value weights.
+operand per KV head each for K and V: the lane-dense scales viewed as `[pages, page_size]` rows),
+converted to q's dtype in registers, and the scales folded into the scores and the value weights.
 
 The default query tile (`default_tiles`) follows the batch's static shape. A batch with no more tokens
 than sequences is decode-shaped: each item is one token filling G_pad rows, so the tile is tl.dot's minimum
@@ -100,7 +100,7 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    q_ref,  # [T_pad, group_pad, head_dim] this KV head's queries, every row
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
-                   *refs,  # quantized pages: k_scales_ref, v_scales_ref [num_pages, page_size] float32; then
+                   *refs,  # quantized pages: k_scales_ref, v_scales_ref [>= num_pages, page_size] float32; then
                    #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written), or with
                    #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T_pad, group_pad]
                    sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
@@ -183,8 +183,11 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
                  block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split, interpret):
     item_seq, item_row = items
     t_pad, num_kv_heads, group, head_dim = q4.shape
-    kv = [a for a in kv if a is not None]  # k, v pages, then the scales of quantized pages
-    _, num_pages, page_size, _ = kv[0].shape
+    k_pages, v_pages, k_scales, v_scales = kv
+    _, num_pages, page_size, _ = k_pages.shape
+    kv = [k_pages, v_pages]
+    if k_scales is not None:  # lane-dense scales as whole pages' rows (a free reshape, `kv_quant.page_scales`)
+        kv += [scales.reshape(num_kv_heads, -1, page_size) for scales in (k_scales, v_scales)]
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
                                max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4,
@@ -193,7 +196,7 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
     # split outputs' own axis. Unsplit, the grid stays two-dimensional: the kernel measured on the H200.
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, *_: (0,) * x.ndim)
     kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, *_: (h, 0, 0, 0))
-    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda i, h, *_: (h, 0, 0))
+    scale_spec = pl.BlockSpec((None, kv[-1].shape[1], page_size), lambda i, h, *_: (h, 0, 0))
     q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
     if num_splits == 1:
         out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_quant import check_kv_scales, dequantize_kv
+from pallas_kernels.kv_quant import check_kv_scales, dequantize_kv, page_scales
 
 # Finite, so a fully masked row (a padding token) gives zeros instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -97,8 +97,9 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
       sm_scale: softmax scale (usually head_dim ** -0.5).
       soft_cap: optional logit soft-capping value (cap * tanh(s / cap)).
       sliding_window: optional window; a token at q_pos attends to keys with q_pos - k_pos < window.
-      k_scales, v_scales: [num_kv_heads, num_pages, page_size] float32 scales of int8 / float8_e4m3fn pages
-        (one per token and KV head, see `kv_quant`), or None (the default) for float pages.
+      k_scales, v_scales: float32 scales of int8 / float8_e4m3fn pages, one per token and KV head, stored
+        lane-dense ([num_kv_heads, ceil(num_pages * page_size / 128), 128], see `kv_quant`), or None
+        (the default) for float pages.
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
@@ -113,7 +114,7 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
         dense = pages[:, table].reshape(kvh, -1, head_dim)
         if scales is None:
             return dense.astype(jnp.float32)
-        return dequantize_kv(dense, scales[:, table].reshape(kvh, -1))
+        return dequantize_kv(dense, page_scales(scales, table, page_size).reshape(kvh, -1))
 
     def one_row(q_t, seq_t, pos_t, real_t):
         table = page_tables[seq_t]

@@ -18,7 +18,7 @@ import functools
 import jax
 import numpy as np
 
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv_tokens
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, lane_dense_scales, quantize_kv_tokens
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 # Kernel vs reference, keyed by dtype name: (atol, rtol). bf16 kernels round p to bf16 before p @ V.
@@ -97,7 +97,7 @@ def quantize_pages(k_pages, v_pages, kv_dtype: str) -> tuple[tuple, dict]:
     every page (garbage included) quantized as the write side would have."""
     dtype = KV_CACHE_DTYPES[kv_dtype]
     (k, k_scales), (v, v_scales) = quantize_kv_tokens(k_pages, dtype), quantize_kv_tokens(v_pages, dtype)
-    return (k, v), {"k_scales": k_scales, "v_scales": v_scales}
+    return (k, v), {"k_scales": lane_dense_scales(k_scales), "v_scales": lane_dense_scales(v_scales)}
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_len: int, *,

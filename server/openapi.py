@@ -6,10 +6,10 @@ from functools import lru_cache
 
 from pydantic.json_schema import models_json_schema
 
-from server.embeddings import EmbeddingRequest
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
-from server.responses_protocol import ResponsesRequest
+from server.openai.embeddings import EmbeddingRequest
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from server.responses.protocol import ResponsesRequest
 
 MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest, TokenizeRequest,
           DetokenizeRequest)

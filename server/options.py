@@ -17,7 +17,7 @@ class ServerOptions:
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every path but /health
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API; none by default
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a larger request head gets 431 (server/http_protocol.py)
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # a larger request head gets 431 (server/http/connection.py)
     # vLLM's --enable-request-id-headers: a request's X-Request-Id becomes its response `id` and its engine
     # request id (an unusable one is a 400); without it the header is only echoed back.
     enable_request_id_headers: bool = False
@@ -30,13 +30,13 @@ class ServerOptions:
     # Sampling defaults for fields a request leaves unset (--generation-config auto: the model's
     # generation_config.json): temperature, top_p, top_k, min_p, repetition_penalty, max_tokens.
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
-    # tool_choice "auto": find the tool calls a reply holds with this parser (server/tool_parsers.py);
+    # tool_choice "auto": find the tool calls a reply holds with this parser (server/tools/parsers.py);
     # None: "auto" is refused, as vLLM refuses it without --enable-auto-tool-choice.
     tool_call_parser: str | None = None
     # Report ready (/health 200) once one step program can run every step and compile the others while
     # serving (steps use the next bigger ready program meanwhile); False: only when all are compiled.
     background_warmup: bool = True
-    # Split replies into thinking (`reasoning_content`) and answer (server/reasoning.py): qwen3, deepseek_r1.
+    # Split replies into thinking (`reasoning_content`) and answer (server/replies/reasoning.py): qwen3, deepseek_r1.
     reasoning_parser: str | None = None
     # Draw the seed of every request that gives none from this seed (vLLM's --seed): the same requests in the
     # same order sample the same tokens after a restart. None: fresh randomness.
@@ -64,10 +64,10 @@ class ServerOptions:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if self.tool_call_parser is not None:
-            from server.tool_parsers import get_parser
+            from server.tools.parsers import get_parser
             get_parser(self.tool_call_parser)  # ValueError naming the choices
         if self.reasoning_parser is not None:
-            from server.reasoning import ReasoningParser
+            from server.replies.reasoning import ReasoningParser
             ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")

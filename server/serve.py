@@ -1,6 +1,6 @@
 """Run the server: uvicorn around the app, with this project's shutdown and failure policy.
 
-1. `serve` binds the port (`listen.py`: a port in use is refused before anything loads), turns on JAX's
+1. `serve` binds the port (`http/listen.py`: a port in use is refused before anything loads), turns on JAX's
    persistent compilation cache, starts the engine thread (weights and warm-up load in the background
    while `/health` says 503) and runs uvicorn on the bound sockets until told to stop.
 2. SIGTERM or SIGINT: stop accepting connections and new requests (503), let running requests finish
@@ -21,13 +21,14 @@ import os
 import signal
 import ssl
 
-from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
+from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.pooling.config import resolve_runner
 from server.app import build_app
-from server.http_protocol import uvicorn_config
-from server.listen import listen
+from server.http.connection import uvicorn_config
+from server.http.listen import listen
 from server.options import ServerOptions
+from server.serving.context import ServingContext
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ def _uvicorn_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        def __init__(self, config, api, shutdown_timeout: float):
+        def __init__(self, config, ctx: ServingContext, shutdown_timeout: float):
             super().__init__(config)
-            self.api, self.shutdown_timeout, self.exit_code = api, shutdown_timeout, 0
+            self.ctx, self.shutdown_timeout, self.exit_code = ctx, shutdown_timeout, 0
             self.loop: asyncio.AbstractEventLoop | None = None
 
         async def serve(self, sockets=None):
@@ -74,11 +75,11 @@ def _uvicorn_server_class():
                 self.loop.call_soon_threadsafe(self._drain)
 
         def _drain(self) -> None:
-            self.api.draining = True
+            self.ctx.admission.drain()
             self.loop.call_later(self.shutdown_timeout, self._abort_remaining)
 
         def _abort_remaining(self) -> None:
-            aborted = self.api.abort_all()
+            aborted = self.ctx.engine.abort_all()
             if aborted:
                 logger.warning("shutdown grace period over: aborted %d running requests", aborted)
 
@@ -112,7 +113,7 @@ def serve(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, compilati
     sockets = listen(host, port, config.backlog)
     try:
         enable_compilation_cache(compilation_cache_dir)
-        server = _uvicorn_server_class()(config, app.state.api, options.shutdown_timeout)
+        server = _uvicorn_server_class()(config, app.state.context, options.shutdown_timeout)
         async_engine.on_failure = server.engine_failed  # before the thread starts: no failure goes unheard
         async_engine.start()  # loads and compiles in the background; /health says 503 meanwhile
         logger.info("serving on %s://%s:%d%s (OpenAI-compatible: %s)%s", "https" if options.ssl_certfile else "http",

@@ -120,6 +120,9 @@ def _cuda_ready() -> None:
     except ImportError:
         _use_compilers_dir("gpu")
         plugin = importlib.import_module(CUDA_PLUGIN)
+        # Ours holds the compiler alone: the runtime libraries the plugin checks for (cuDNN, cuBLAS...) run
+        # kernels, and nothing here runs.
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     try:
         plugin.initialize()
     except jax.errors.JaxRuntimeError as e:  # registered by JAX's own discovery meanwhile
@@ -158,6 +161,14 @@ def _topology_devices(target: Target) -> tuple:
         config = gpu_target_config(target.chip.description)
         topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology=target.topology)
     return tuple(topology.devices)
+
+
+def compile_options(target: Target) -> dict:
+    """XLA options a compile without the chip needs. On a GPU, XLA sizes the scratch of CUB's radix sort (its
+    choice for a large top-k, such as prompt logprobs over a whole vocabulary) by asking the device: without
+    one it fails ("invalid device ordinal"), so those sorts compile to XLA's own here. The programs differ
+    from a GPU's own only in that sort and its scratch bytes."""
+    return {} if target.chip.is_tpu else {"xla_gpu_enable_cub_radix_sort": False}
 
 
 def compile_devices(target: Target) -> list:

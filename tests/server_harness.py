@@ -13,7 +13,7 @@ import uvicorn
 from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.engine_args import EngineArgs
 from server.app import build_app
-from server.http_protocol import uvicorn_config
+from server.http.connection import uvicorn_config
 from server.options import ServerOptions
 
 
@@ -54,8 +54,8 @@ def wait_healthy(base: str, timeout: float, still_alive=lambda: True) -> None:
 
 
 class Running(tuple):
-    """(base URL, AsyncEngine); `.api` is the app's OpenAIServer, for tests that look inside."""
-    api = None
+    """(base URL, AsyncEngine); `.context` is the app's ServingContext, for tests that look inside."""
+    context = None
 
 
 @contextlib.contextmanager
@@ -72,7 +72,7 @@ def running_server(args: EngineArgs, ready_timeout: float = 300, options: Server
     try:
         wait_healthy(base, ready_timeout)
         running = Running((base, async_engine))
-        running.api = app.state.api
+        running.context = app.state.context
         yield running
     finally:
         server.should_exit = True

@@ -78,6 +78,19 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     assert model["layers"] == 2 and model["param_bytes"] > 0 and model["backend"] == "pallas-triton (interpret)"
 
 
+def test_quantized_matmul_kernels_benchmark_dry_runs_on_cpu(capsys, tmp_path):
+    """The weight-only kernels' device benchmark in interpret mode: it checks the kernel against the reference
+    and times it against XLA's product with the engine's own timing, and writes the rows."""
+    bench = load("quantized_matmul_kernels")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--tiny", "--interpret", "--codes", "uint4", "--rows", "3", "--shapes", "gate/up",
+                       "--json", str(out)]) == 0
+    row, = json.loads(out.read_text())
+    assert (row["k"], row["n"], row["codes"], row["groups"], row["rows"]) == (256, 512, "uint4", 2, 3)
+    assert row["xla_us"] > 0 and row["kernel_us"] > 0 and row["error_vs_reference"] < 1e-2
+    assert "| gate/up 256x512 | uint4 | 3 | default |" in capsys.readouterr().out
+
+
 def test_structured_masking_benchmark_runs_on_stories260k(capsys):
     bench = load("structured_masking")
     # Two step programs (a decode of the four, the four prompts at once): the run checks what it measures,

@@ -22,9 +22,9 @@ PARTS = {
     # Issue 29's families under tensor, pipeline and expert parallelism.
     "mesh-families": ["tests/multidevice/test_mesh.py", "-k",
                       "(sharded_logits and (gemma or moe or mixtral)) or expert_parallel"],
-    "checkpoint": ["tests/multidevice/test_checkpoint.py"],
-    "embeddings": ["tests/multidevice/test_embeddings_mesh.py"],
-    "lora-tp": ["tests/multidevice/test_lora_tp.py"],
+    # One process for the short files: each part pays a JAX start and a collection.
+    "checkpoint-embeddings-lora": ["tests/multidevice/test_checkpoint.py", "tests/multidevice/test_embeddings_mesh.py",
+                                   "tests/multidevice/test_lora_tp.py"],
 }
 
 

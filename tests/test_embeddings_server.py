@@ -135,6 +135,23 @@ def test_bad_requests_get_openai_errors(server, body, status, param, code):
     assert not async_engine.engine.has_unfinished()
 
 
+def test_each_input_is_checked_once_before_any_is_queued(server, monkeypatch):
+    """Every input is checked by the engine before any is queued, and queued as checked: once each."""
+    base, async_engine = server
+    engine = async_engine.engine
+    checked, validate = [], engine.validate_pooling
+
+    def counted(prompt_ids, params):
+        checked.append(list(prompt_ids))
+        return validate(prompt_ids, params)
+    monkeypatch.setattr(engine, "validate_pooling", counted)
+    assert httpx.post(f"{base}/v1/embeddings", json={"input": [[3, 4], [5, 6]]}).status_code == 200
+    assert checked == [[3, 4], [5, 6]]
+    checked.clear()
+    assert_error(httpx.post(f"{base}/v1/embeddings", json={"input": [[3, 4], [3, 999]]}), 400, "input")
+    assert checked == [[3, 4], [3, 999]] and not engine.has_unfinished()
+
+
 def test_a_pooling_server_refuses_generation(server, client):
     base, _ = server
     with pytest.raises(openai.BadRequestError, match="--runner generate"):

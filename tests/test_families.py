@@ -223,17 +223,17 @@ def test_a_mixture_quantized_at_load_keeps_its_router_in_float():
     """--quantization int8 on a mixture quantizes its attention projections and keeps the router float (a
     sliver of the bytes, and its rounding would move tokens between experts); every parameter has a partition
     rule, so the model places on a mesh (a quantized router had none and failed to load)."""
-    from jaxserve.loader.placement import param_entries
-    from jaxserve.loader.quantized import quantized_config
+    from jaxserve.loader.abstract import AbstractModel
+    from jaxserve.loader.quantized import QuantizationFlags, quantized_config
     from jaxserve.model.quantized_linear import QuantizedLinear
     from jaxserve.model.registry import abstract_model
     from sharding import ParallelConfig, make_plan
 
-    config = quantized_config(ModelConfig.from_pretrained(FIXTURES / "qwen3_moe"), "int8")
+    config = quantized_config(ModelConfig.from_pretrained(FIXTURES / "qwen3_moe"), QuantizationFlags("int8"))
     model = abstract_model(config, jnp.float32)
     sparse = model.layers[0].mlp
     assert type(sparse.gate).__name__ == "Linear" and isinstance(model.layers[0].self_attn.q_proj, QuantizedLinear)
     plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
-    paths = {"/".join(e.path) for e in param_entries(config, jnp.float32, plan)}
+    paths = {"/".join(e.path) for e in AbstractModel(config, jnp.float32, plan).entries}
     assert "layers/0/mlp/gate/kernel" in paths and "layers/0/self_attn/q_proj/codes" in paths

@@ -94,7 +94,7 @@ def check(response: httpx.Response) -> None:
 def assert_healthy(server) -> None:
     base, async_engine = server
     assert httpx.get(f"{base}/health").status_code == 200 and async_engine.error is None
-    assert server.api.in_flight == 0
+    assert server.context.admission.in_flight == 0
     assert_pages_released(async_engine.engine.scheduler)
 
 

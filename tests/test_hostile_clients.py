@@ -126,8 +126,8 @@ def test_a_text_prompt_that_cannot_fit_is_refused_before_tokenizing(server, base
 
 
 def test_health_answers_fast_while_a_1mb_prompt_is_tokenized(server, baseline):
-    api = server.api
-    saved, api.max_prompt_chars = api.max_prompt_chars, 10**9  # let the 1 MB prompt reach the tokenizer
+    model = server.context.model
+    saved, model.max_prompt_chars = model.max_prompt_chars, 10**9  # let the 1 MB prompt reach the tokenizer
     try:
         result = {}
         rng = random.Random(0)
@@ -154,7 +154,7 @@ def test_health_answers_fast_while_a_1mb_prompt_is_tokenized(server, baseline):
         assert result["seconds"] > 0.2 and len(latencies) >= 5, (result, latencies)
         assert max(latencies) < result["seconds"] / 4, (result, latencies)
     finally:
-        api.max_prompt_chars = saved
+        model.max_prompt_chars = saved
     assert_still_serving(server, baseline)
 
 
@@ -317,7 +317,7 @@ def test_defect6_300_concurrent_requests_beyond_the_queue_get_429(server, baseli
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in replies if r.status_code == 200)
     time.sleep(0.5)
     scheduler = async_engine.engine.scheduler
-    assert not scheduler.running and not scheduler.waiting and server.api.in_flight == 0
+    assert not scheduler.running and not scheduler.waiting and server.context.admission.in_flight == 0
     assert_pages_released(scheduler)
     assert_still_serving(server, baseline)
 

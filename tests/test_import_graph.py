@@ -4,7 +4,8 @@ Every import counts, function-local ones included (a circle held together by imp
 still a circle); imports under `if TYPE_CHECKING:` do not, since they never run. The checks:
 1. No module imports another that (through any chain) imports it back.
 2. The engine packages (`jaxserve/`, `pallas_kernels/`, `sharding/`) never import `server`.
-3. `jaxserve/`'s rooms import only rooms below them (the order in jaxserve/__init__.py's docstring).
+3. `jaxserve/`'s rooms import only rooms below them (the order in jaxserve/__init__.py's docstring); so do
+   `server/`'s rooms and top-level modules (the order in server/__init__.py's docstring).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ ENGINE_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
 # or level with it. Top-level modules of jaxserve not named here are leaves (level 0): config.py, ...
 ROOM_LEVELS = {"__init__": 10, "__main__": 10, "bench": 9, "entrypoints": 8, "engine": 7, "speculative": 6.5,
                "execution": 6, "loader": 5, "model": 4, "scheduling": 4, "sampling": 3, "lora": 3, "text": 2}
+# server's rooms and top-level modules the same way: the command line and the process on top, the app that
+# assembles the routes, the endpoints, the context the handlers are given, the playground's page, HTTP
+# plumbing, the server's options, and reading a model's replies at the bottom.
+SERVER_ROOM_LEVELS = {"__init__": 13, "cli": 12, "serve": 11, "app": 10, "openapi": 9, "responses": 8,
+                      "openai": 7, "serving": 6, "playground": 5, "http": 4, "options": 3, "replies": 2,
+                      "tools": 1}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -106,27 +113,28 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def room_of(module: str) -> str | None:
-    """jaxserve's room of a module: its subpackage, or "" for a leaf module (None outside jaxserve)."""
+def room_of(module: str, package: str = "jaxserve", levels: dict = ROOM_LEVELS) -> str | None:
+    """`package`'s room of a module: its subpackage (or a top-level module `levels` names), or "" for a
+    leaf module (None outside `package`)."""
     parts = module.split(".")
-    if parts[0] != "jaxserve":
+    if parts[0] != package:
         return None
     if len(parts) == 1:
         return "__init__"
-    return parts[1] if parts[1] in ROOM_LEVELS else ""
+    return parts[1] if parts[1] in levels else ""
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+def upward_imports(graph: dict[str, set[str]], package: str = "jaxserve", levels: dict = ROOM_LEVELS) -> list[str]:
     bad = []
     for module, targets in graph.items():
-        room = room_of(module)
+        room = room_of(module, package, levels)
         if room is None:
             continue
         for target in targets:
-            other = room_of(target)
+            other = room_of(target, package, levels)
             if other is None or other == room:
                 continue
-            if ROOM_LEVELS.get(other, 0) >= ROOM_LEVELS.get(room, 0):
+            if levels.get(other, 0) >= levels.get(room, 0):
                 bad.append(f"{module} -> {target}")
     return sorted(bad)
 
@@ -173,6 +181,14 @@ def test_jaxserve_rooms_import_only_rooms_below_them():
     graph = import_graph(project_sources())
     assert upward_imports(graph) == []
     assert {room_of(m) for m in graph if room_of(m) not in (None, "")} == set(ROOM_LEVELS)  # every room exists
+
+
+def test_server_rooms_import_only_rooms_below_them():
+    graph = import_graph(project_sources())
+    assert upward_imports(graph, "server", SERVER_ROOM_LEVELS) == []
+    rooms = {room_of(m, "server", SERVER_ROOM_LEVELS) for m in graph}
+    assert "" not in rooms  # every module of server/ is in a room the order names
+    assert rooms - {None} == set(SERVER_ROOM_LEVELS)  # and every room the order names exists
 
 
 def test_the_engine_loop_stays_short_and_no_module_grows_past_450_lines():

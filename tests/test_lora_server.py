@@ -105,7 +105,7 @@ def test_runtime_load_and_unload(server, client):
 
 
 def test_runtime_updating_is_off_without_the_switch(server, monkeypatch):
-    monkeypatch.setattr(server.api, "options", dataclasses.replace(OPTIONS, allow_runtime_lora_updating=False))
+    monkeypatch.setattr(server.context, "options", dataclasses.replace(OPTIONS, allow_runtime_lora_updating=False))
     reply = post(server, "/v1/load_lora_adapter", {"lora_name": "r", "lora_path": str(LORA / "r4_mlp_alpha4")})
     assert reply.status_code == 404 and "--allow-runtime-lora-updating" in reply.json()["error"]["message"]
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "r4_qv"}).status_code == 404

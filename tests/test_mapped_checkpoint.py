@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.loader.formats import checkpoint_format, MARKER
+from jaxserve.loader.formats import Checkpoint, MARKER
 from jaxserve.entrypoints.cli import main as cli_main
 from jaxserve.config import ModelConfig
 from jaxserve.loader.load import load_sharded
@@ -33,7 +33,7 @@ def _host_params(model):
 
 
 def test_convert_writes_aligned_safetensors_in_the_models_layout(mapped):
-    assert checkpoint_format(mapped) == "mapped" and (mapped / MARKER).is_file()
+    assert Checkpoint.read(mapped).format == "mapped" and (mapped / MARKER).is_file()
     assert (mapped / "config.json").is_file() and (mapped / "tokenizer.json").is_file()
     data_start, tensors = read_header(mapped / "model.safetensors")
     assert data_start % 64 == 0

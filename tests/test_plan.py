@@ -90,11 +90,12 @@ def test_json_contract_with_a_compiled_program(capsys, tiny, target):
 
 
 def test_text_report_and_no_fit_exit_status(capsys):
-    code = main(["plan", str(CONFIGS / "llama-3-70b"), "--target", "v5e-4", "--programs", "none"])
+    code = main(["plan", str(CONFIGS / "llama-3-8b"), "--target", "v5e-1", "--programs", "none"])
     text = capsys.readouterr().out
     assert code == 1
-    # 141 GB of weights: 17.6 GB a chip over 8 v5e chips of 16 GiB does not fit; 16 chips do
-    assert "does NOT fit" in text and "--target v5e-16" in text and "roofline floors" in text
+    # 16.1 GB of weights and 8.6 GB of pages (8 sequences of 8192 tokens) on a 17.2 GB chip: 4 chips fit
+    assert "does NOT fit" in text and "--target v5e-4" in text and "roofline floors" in text
+    assert "weights          16.06 GB" in text and "--max-model-len 1056" in text
 
 
 def test_serving_sizes_the_pool_as_plan_does(capsys, stories_dir, monkeypatch):
@@ -130,3 +131,10 @@ def test_missing_compilers_say_how_to_install_them(tmp_path, tiny):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "jaxserve plan --install-compilers" in out.stderr and str(tmp_path / "none") in out.stderr
+
+
+@pytest.mark.parametrize("target, strategy", [("h200", "weight_only"), ("v6e-1", "dynamic_int8")])
+def test_quantized_layers_run_as_the_target_runs_them(capsys, target, strategy):
+    """--quantization int8 takes the target's strategy (an H200 serves int8 weight-only), not this CPU's."""
+    _, r = plan(capsys, CONFIGS / "llama-3-8b", "--target", target, "--quantization", "int8", "--programs", "none")
+    assert (r["quantization"], r["quantization_strategy"]) == ("int8", strategy)

@@ -33,7 +33,7 @@ from starlette.testclient import TestClient
 
 from jaxserve.engine_args import EngineArgs
 from server import playground
-from server.guards import RequestGuard
+from server.http.guards import RequestGuard
 from server.options import ServerOptions
 from tests.page_checks import assert_pages_released
 from tests.server_harness import running_server

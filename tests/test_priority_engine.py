@@ -86,12 +86,12 @@ def test_every_route_hands_its_priority_to_the_engine(priority_server, monkeypat
     import httpx
     base, async_engine = priority_server
     seen = []
-    add_request = async_engine.engine.add_request
+    submit = async_engine.engine.submit  # what the server queues: requests the engine has checked
 
-    def spy(*args, priority=0, **kwargs):
-        seen.append(priority)
-        return add_request(*args, priority=priority, **kwargs)
-    monkeypatch.setattr(async_engine.engine, "add_request", spy)
+    def spy(request, *args, **kwargs):
+        seen.append(request.priority)
+        return submit(request, *args, **kwargs)
+    monkeypatch.setattr(async_engine.engine, "submit", spy)
     short = {"max_tokens": 2}
     assert httpx.post(f"{base}/v1/completions", json={**short, "prompt": "Once", "priority": -3},
                       timeout=60).status_code == 200

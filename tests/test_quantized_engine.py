@@ -40,12 +40,15 @@ def agreeing_prefix(a, b) -> int:
 def test_quantized_pages_are_int8_or_fp8_with_a_scale_per_token_and_head(engines):
     import jax.numpy as jnp
     cache = engines["int8"].engine.runner.kv_cache
-    assert cache.quantized and cache.k[0].codes.dtype == jnp.int8 and cache.k[0].scales.shape == (4, 40, 4)
+    # 40 pages of 4 tokens: 160 slots of scales per KV head, lane-dense in rows of 128, a whole (8, 128) tile.
+    assert cache.quantized and cache.k[0].codes.dtype == jnp.int8 and cache.k[0].scales.shape == (4, 8, 128)
     assert engines["fp8"].engine.runner.kv_cache.v[0].codes.dtype == jnp.float8_e4m3fn
     assert not engines["auto"].engine.runner.kv_cache.quantized
-    # stories260K: 4 KV heads of 8: int8 pages cost (8 + 4) bytes per token and head against float32's 32.
+    # stories260K: 4 KV heads of 8: int8 pages cost 8 bytes per token and head against float32's 32, plus
+    # 4 bytes per scale slot (the tile's spare rows included).
     float_bytes = engines["auto"].engine.runner.kv_cache.num_bytes
-    assert cache.num_bytes * 32 == float_bytes * 12
+    arrays = 2 * len(cache.k)  # K and V of every layer
+    assert cache.num_bytes == float_bytes // 4 + arrays * 4 * 8 * 128 * 4
     precision = engines["int8"].engine.precision  # what the startup log and /metrics report
     assert precision.kv_cache == "int8" and precision.kv_cache_bytes == cache.num_bytes
     assert precision.kv_token_bytes == 5 * 2 * 4 * (8 + 4) and precision.linear_codes is None

@@ -135,9 +135,11 @@ def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_ser
     from jaxserve import SamplingParams
     from jaxserve.config import ModelConfig
     from jaxserve.entrypoints.cli import main as cli_main
-    from jaxserve.loader.load import load_sharded, load_weights
-    from jaxserve.loader.quantized import quantized_loading
-    from jaxserve.loader.safetensors import SafetensorsReader, read_header
+    from jaxserve.loader.abstract import AbstractModel
+    from jaxserve.loader.formats import Checkpoint
+    from jaxserve.loader.load import load_checkpoint, load_sharded
+    from jaxserve.loader.quantized import QuantizationFlags
+    from jaxserve.loader.safetensors import read_header
     from sharding import ParallelConfig, make_plan
 
     mapped = tmp_path / "int8-mapped"
@@ -154,7 +156,9 @@ def test_int8_conversion_is_read_in_place_and_serves_what_quantizing_at_load_ser
                      num_kv_heads=config.num_kv_heads)
     stored = load_sharded(mapped, config, jnp.float32, plan)
     assert stored.config.linear_quantization.codes == "int8"
-    at_load = load_weights(*quantized_loading(SafetensorsReader(stories_dir), config, "int8"), jnp.float32, plan)
+    hugging_face = Checkpoint.read(stories_dir)
+    int8 = hugging_face.served_config(config, QuantizationFlags("int8"))
+    at_load = load_checkpoint(hugging_face, AbstractModel(int8, jnp.float32, plan))
     a, b = (dict(jax.tree_util.tree_leaves_with_path(m.params)) for m in (stored, at_load))
     assert a.keys() == b.keys()
     for path in a:
@@ -199,18 +203,17 @@ def test_quantization_flag_that_disagrees_with_the_checkpoint_names_both(request
 def test_a_conversion_marker_from_before_quantize_embedding_reads_as_a_float_embedding(tmp_path):
     """Conversions written before `--quantize-embedding` have no `embedding` key in their marker: their
     embedding is float, and every reader sees that key filled in."""
-    from jaxserve.loader.formats import MARKER
-    from jaxserve.loader.quantized import stored_quantization
+    from jaxserve.loader.formats import MARKER, Checkpoint
     entry = {"codes": "int8", "block_size": None, "lm_head": True, "source": "quantized at load",
              "float_activations": False}
     (tmp_path / MARKER).write_text(json.dumps({"format": "mapped", "linear_quantization": entry}))
-    assert stored_quantization(tmp_path) == {**entry, "embedding": False}
+    assert Checkpoint.read(tmp_path).stored == {**entry, "embedding": False}
     embedded = {**entry, "embedding": True}
     (tmp_path / MARKER).write_text(json.dumps({"format": "mapped", "linear_quantization": embedded}))
-    assert stored_quantization(tmp_path)["embedding"] is True
+    assert Checkpoint.read(tmp_path).stored["embedding"] is True
     (tmp_path / MARKER).write_text(json.dumps({"format": "mapped"}))
-    assert stored_quantization(tmp_path) is None  # float layers
-    assert stored_quantization(FIXTURES / "awq_int4") is None  # a Hugging Face directory
+    assert Checkpoint.read(tmp_path).stored is None  # float layers
+    assert Checkpoint.read(FIXTURES / "awq_int4").stored is None  # a Hugging Face directory
 
 
 def test_fp8_checkpoint_is_re_quantized_to_int8_when_asked(tmp_path):

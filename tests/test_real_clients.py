@@ -29,8 +29,8 @@ from pydantic import BaseModel, Field
 from jaxserve.engine_args import EngineArgs
 from jaxserve.sampling.grammar import StructuredOutputsParams
 from server.options import DEFAULT_MAX_HEADER_BYTES, ServerOptions
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import tool_choice_spec
+from server.openai.protocol import ChatCompletionRequest
+from server.tools.calls import tool_choice_spec
 from tests.memory_probe import memory
 from tests.server_harness import SHARED_ENGINE, running_server
 
@@ -129,7 +129,7 @@ def test_a_schema_without_additional_properties_gives_exactly_its_keys_and_stops
 def test_explicit_additional_properties_loosen_the_schema(server):
     """`additionalProperties: true` keeps JSON Schema's own meaning: the grammar lets keys beyond the listed
     ones through (checked on the compiled grammar: whether a sampled model writes one is chance)."""
-    grammars = server.api.engine.grammars
+    grammars = server[1].engine.grammars
     listed = '{"name":"Max","kind":"dog","age":3}'
     extra = '{"name":"Max","kind":"dog","age":3,"toy":"ball"}'
     assert _accepts(grammars, StructuredOutputsParams(json=ANIMAL), listed)
@@ -139,7 +139,7 @@ def test_explicit_additional_properties_loosen_the_schema(server):
 
 def test_tool_parameters_are_strict_too(server):
     tools = [{"type": "function", "function": {"name": "adopt", "parameters": ANIMAL}}]
-    grammars = server.api.engine.grammars
+    grammars = server[1].engine.grammars
     for choice, listed, extra in [
             ("required", '[{"name":"adopt","parameters":{"name":"Max","kind":"dog","age":3}}]',
              '[{"name":"adopt","parameters":{"name":"Max","kind":"dog","age":3,"toy":"ball"}}]'),
@@ -241,8 +241,8 @@ def test_x_request_id_becomes_the_response_id(server, monkeypatch):
     base, async_engine = server
     engine_ids = []
     generate = async_engine.generate
-    monkeypatch.setattr(async_engine, "generate", lambda ids, params, request_id, *rest: (
-        engine_ids.append(request_id), generate(ids, params, request_id, *rest))[1])
+    monkeypatch.setattr(async_engine, "generate", lambda request, request_id, *rest: (
+        engine_ids.append(request_id), generate(request, request_id, *rest))[1])
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4},
                    headers={"X-Request-Id": "job-42/a"}, timeout=60)
     assert r.json()["id"] == "cmpl-job-42/a" and r.headers["x-request-id"] == "job-42/a"

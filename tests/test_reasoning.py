@@ -22,7 +22,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.sampling.grammar import GrammarCompiler, StructuredOutputsParams
 from jaxserve.text.tokenizer import Tokenizer
 from server.options import ServerOptions
-from server.reasoning import ReasoningParser, Splitter
+from server.replies.reasoning import ReasoningParser, Splitter
 from tests.server_harness import running_server
 
 # Qwen3's template, reduced to what it does with thinking: past turns' reasoning in a think block; the

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.engine_args import EngineArgs
 from server.options import ServerOptions
-from server.response_store import ResponseStore, StoredResponse
+from server.responses.store import ResponseStore, StoredResponse
 from tests.server_harness import SHARED_ENGINE, running_server
 from tests.test_tool_calling import SCHEMAS, TEMPLATE, TIME, WEATHER
 

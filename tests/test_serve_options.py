@@ -26,8 +26,8 @@ from jaxserve.entrypoints.args import engine_args_from
 from jaxserve.entrypoints.cli import build_parser, main
 from server.cli import server_options_from
 from server.app import build_app
-from server.metrics import VLLM_NAMES
-from server.http_protocol import uvicorn_config
+from server.serving.metrics import VLLM_NAMES
+from server.http.connection import uvicorn_config
 from tests.server_harness import free_port
 
 KEY = "k3y"
@@ -81,7 +81,7 @@ def server(command_line):
     client = httpx.Client(base_url=base, verify=trust, headers=AUTH, timeout=120)
     try:
         wait_healthy_tls(client, 300)
-        yield client, app.state.api, uvicorn_server.config, args, base, trust
+        yield client, app.state.context, uvicorn_server.config, args, base, trust
     finally:
         uvicorn_server.should_exit = True
         thread.join(10)
@@ -101,7 +101,7 @@ def wait_healthy_tls(client: httpx.Client, timeout: float) -> None:
 
 
 def test_flags_reach_the_engine_and_uvicorn(server):
-    _, api, config, args, *_ = server
+    _, _, config, args, *_ = server
     assert args.page_size == 8 and args.tokenizer.endswith("tok")
     assert (config.root_path, config.log_level, config.access_log) == ("/llm", "warning", False)
     assert config.ssl_keyfile and config.ssl_certfile
@@ -129,16 +129,16 @@ def test_tokenizer_directory_brings_its_chat_template(server):
 
 
 def test_seed_repeats_unseeded_sampling(server):
-    client, api, *_ = server
+    client, context, *_ = server
 
     def two_samples() -> list[str]:
         return [client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 12,
                                                      "temperature": 1.0}).json()["choices"][0]["text"]
                 for _ in range(2)]
 
-    api._seeds = random.Random(1234)  # as a restart with --seed 1234 finds it
+    context.seeds = random.Random(1234)  # as a restart with --seed 1234 finds it
     first = two_samples()
-    api._seeds = random.Random(1234)
+    context.seeds = random.Random(1234)
     assert two_samples() == first
     assert first[0] != first[1]  # each request draws its own seed from the sequence
 

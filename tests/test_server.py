@@ -89,6 +89,26 @@ def test_bad_requests_get_openai_errors(server, body, status, param, code):
     assert not async_engine.engine.has_unfinished()
 
 
+def test_each_prompt_is_checked_once_before_any_is_queued(server, monkeypatch):
+    """The server has the engine check every prompt of a request before it queues any (a bad one queues
+    nothing), and the engine queues what passed as it is: one check per prompt, not a second at submission."""
+    base, async_engine = server
+    engine = async_engine.engine
+    checked, validate = [], engine.validate
+
+    def counted(prompt_ids, *args, **kwargs):
+        checked.append(list(prompt_ids))
+        return validate(prompt_ids, *args, **kwargs)
+    monkeypatch.setattr(engine, "validate", counted)
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": [[1, 5], [1, 6]], "n": 2, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    assert checked == [[1, 5], [1, 6]]
+    checked.clear()
+    assert_error(httpx.post(f"{base}/v1/completions", json={"prompt": [[1, 5], [1, 99999]], "max_tokens": 2},
+                            timeout=60), 400, "prompt")
+    assert checked == [[1, 5], [1, 99999]] and not engine.has_unfinished()
+
+
 def test_malformed_json_and_a_request_chat_template(server):
     base, _ = server
     r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})

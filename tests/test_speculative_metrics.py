@@ -19,7 +19,7 @@ from jaxserve.scheduling.step_cost import StepCostModel
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.speculative.payoff import OUTCOMES
 from jaxserve.speculative.speculator import Speculator
-from server.metrics import Metrics
+from server.serving.metrics import Metrics
 
 
 def fake_async_engine(speculator):

@@ -183,7 +183,7 @@ def test_an_engine_failing_while_the_server_answers_503_stops_it(monkeypatch):
 
 
 def test_a_port_in_use_is_refused_before_anything_loads(monkeypatch):
-    from server.listen import ListenError, listen
+    from server.http.listen import ListenError, listen
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

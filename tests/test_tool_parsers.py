@@ -1,4 +1,4 @@
-"""server/tool_parsers.py: tool calls out of model text, whole and streamed in every chunking."""
+"""server/tools/parsers.py: tool calls out of model text, whole and streamed in every chunking."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from server.tool_parsers import PARSERS, HermesToolParser, ToolCall, get_parser
+from server.tools.parsers import PARSERS, HermesToolParser, ToolCall, get_parser
 
 NESTED_ARGS = ('{"query": {"filters": [{"field": "title", "op": "contains", "value": "a } b { c"}, [], {}],'
                ' "note": "she said \\"hi\\" {not json}", "path": "C:\\\\tmp\\\\x", "n": -1.5e3,'

@@ -16,10 +16,11 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.entrypoints.cli import main as cli_main
 from jaxserve.loader import placement
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.convert import convert
-from jaxserve.loader.formats import MARKER, open_checkpoint
+from jaxserve.loader.formats import MARKER, Checkpoint
 from jaxserve.loader.load import load_model, load_weights
-from jaxserve.loader.quantized import quantized_loading
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.loader.safetensors import read_header
 from jaxserve.loader.turned import TurningReader, UnturningReader, turned_parts
 from sharding import ParallelConfig, make_plan
@@ -37,8 +38,9 @@ def _host_params(model) -> dict[str, np.ndarray]:
 
 def _checkpoint(case: str, quantization: str | None):
     """The parity fixture's Hugging Face reader, quantized at load if asked, and the config to load it with."""
-    config = ModelConfig.from_pretrained(FIXTURES / case)
-    return lambda: quantized_loading(open_checkpoint(FIXTURES / case), config, quantization)
+    checkpoint = Checkpoint.read(FIXTURES / case)
+    config = checkpoint.served_config(ModelConfig.from_pretrained(FIXTURES / case), QuantizationFlags(quantization))
+    return lambda: (checkpoint.reader(AbstractModel(config, jnp.float32)), config)
 
 
 @pytest.mark.parametrize("case, quantization", [("qwen2_bias", None), ("llama_gqa_untied", "int8"),
@@ -52,11 +54,11 @@ def test_the_stored_turning_is_the_engines_turning_and_turns_back(case, quantiza
     config = checkpoint()[1]
     plan = make_plan(ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads)
-    own = load_weights(checkpoint()[0], config, jnp.float32, plan)
+    own = load_weights(checkpoint()[0], AbstractModel(config, jnp.float32, plan))
     own_params = _host_params(own)
     by_engine = placement.feature_major(own)
-    by_reader = load_weights(TurningReader(checkpoint()[0], config, jnp.float32), config, jnp.float32, plan,
-                             feature_major=True)
+    by_reader = load_weights(TurningReader(checkpoint()[0], config, jnp.float32),
+                             AbstractModel(config, jnp.float32, plan, feature_major=True))
     assert by_reader.feature_major and by_reader.graphdef == by_engine.graphdef
     expected = _host_params(by_engine)
     got = _host_params(by_reader)
@@ -69,8 +71,8 @@ def test_the_stored_turning_is_the_engines_turning_and_turns_back(case, quantiza
     else:
         assert any(len(p) == 3 for p in parts.values())  # q/k/v fused
     turned_module = nnx.merge(by_reader.graphdef, by_reader.params)
-    back = load_weights(UnturningReader(placement.ModuleReader(turned_module), config, jnp.float32), config,
-                        jnp.float32, plan)
+    back = load_weights(UnturningReader(placement.ModuleReader(turned_module), config, jnp.float32),
+                        AbstractModel(config, jnp.float32, plan))
     back_params = _host_params(back)
     assert back_params.keys() == own_params.keys()
     for name in own_params:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.builtin_models import describe as describe_model
 from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
+from jaxserve.engine.kernel_choice import choose_linear_kernels
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
@@ -31,14 +32,12 @@ from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_option
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
 from jaxserve.execution.kv_budget import KVShare, resolve_kv_budget
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
-from jaxserve.loader.formats import checkpoint_format, open_checkpoint
-from jaxserve.loader.load import abstract_weights, load_weights
-from jaxserve.loader.placement import (ModuleReader, ShardedModel, experts_can_split, feature_major, scan_layers,
-                                      split_experts)
-from jaxserve.loader.quantized import (checkpoint_quantization, quantized_config, quantized_loading,
-                                       stored_quantization)
-from jaxserve.loader.turned import UnturningReader, stored_turned
+from jaxserve.loader.formats import Checkpoint
+from jaxserve.loader.load import load_checkpoint
+from jaxserve.loader.placement import ShardedModel, experts_can_split, feature_major, scan_layers, split_experts
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.model.layer_loop import resolve_layer_loop
 from jaxserve.model.registry import random_model
 from jaxserve.pooling.config import PoolerConfig, resolve_runner
@@ -102,11 +101,12 @@ def _runner(args: EngineArgs, config: ModelConfig):
 def build_model(args: EngineArgs) -> BuiltModel:
     demo, model_dir = args.random_demo, args.model_dir  # model_dir: None for the random demo
     config = demo_model_config() if demo else ModelConfig.from_pretrained(model_dir)
-    runner, pooler, config, args = _runner(args, config)
     plan = _mesh_plan(args, config)
+    runner, pooler, config, args = _runner(args, config)
     start = time.perf_counter()
     # The demo model is float32 unless asked otherwise: its random weights are the checkpoint.
     dtype = resolve_dtype("float32" if demo and args.dtype == "auto" else args.dtype, config)
+    name = served_name(args.model)
     if demo:
         logger.warning("serving the %s", describe_model(args.model))
     elif is_default(args.model):
@@ -117,24 +117,10 @@ def build_model(args: EngineArgs) -> BuiltModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"the tokenizer in {args.tokenizer} has {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocabulary of {config.vocab_size}")
-    reader = ModuleReader(random_model(config, dtype, args.demo_weights_seed)) if demo else open_checkpoint(model_dir)
-    stored = stored_quantization(model_dir)
-    # A checkpoint stored feature-major is read as it lies where the products run so, else turned back; its
-    # float kernels turned back first when they are quantized at load (the quantizer reads [in, out] kernels).
-    layout_stored = stored_turned(model_dir)
-    if layout_stored and args.quantization is not None and stored is None:
-        reader, layout_stored = UnturningReader(reader, config, dtype), False
-    reader, config = quantized_loading(reader, config, args.quantization, checkpoint_quantization(model_dir),
-                                       args.quantization_strategy, args.quantize_lm_head, stored,
-                                       args.quantize_embedding)
-    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, jax.default_backend()):
-        logger.warning("%s", warning)
-    matmuls = _cpu_matmuls(args, config, dtype, plan, layout_stored)
-    turned = layout_stored and matmuls == FEATURE_MAJOR
-    if layout_stored and not turned:
-        reader = UnturningReader(reader, config, dtype)
-    model = load_weights(reader, config, dtype, plan, feature_major=turned)
-    built = _finish_build(args, served_name(args.model), model, config, tokenizer, dtype, matmuls)
+    checkpoint = (Checkpoint.in_memory(random_model(config, dtype, args.demo_weights_seed)) if demo else
+                  Checkpoint.read(model_dir))
+    model, matmuls = _load(args, checkpoint, config, dtype, plan)
+    built = _finish_build(args, name, model, tokenizer, matmuls)
     return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
                                pooler_config=pooler)
 
@@ -143,12 +129,25 @@ def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, 
                       dtype) -> BuiltModel:
     """For a caller that makes its own NNX module (benchmarks with a random model of a chosen size):
     shard it onto the mesh `args` asks for, then build the rest as `build_model` does."""
-    reader, config = quantized_loading(ModuleReader(module), config, args.quantization,
-                                       strategy=args.quantization_strategy, lm_head=args.quantize_lm_head,
-                                       embedding=args.quantize_embedding)
-    plan = _mesh_plan(args, config)
-    model = load_weights(reader, config, dtype, plan)
-    return _finish_build(args, name, model, config, tokenizer, dtype, _cpu_matmuls(args, config, dtype, plan))
+    model, matmuls = _load(args, Checkpoint.in_memory(module), config, dtype, _mesh_plan(args, config))
+    return _finish_build(args, name, model, tokenizer, matmuls)
+
+
+def _load(args: EngineArgs, checkpoint: Checkpoint, config: ModelConfig, dtype,
+          plan) -> tuple[ShardedModel, str | None]:
+    """`checkpoint`'s weights on the mesh of `plan`, laid out as the engine `args` asks for runs them:
+    (the model, whose config says how its linear layers are quantized; the library of a CPU's products,
+    `execution/cpu_matmuls.py`). The library is chosen before loading: a checkpoint stored feature-major
+    is loaded as it lies only for the feature-major products (else its reader turns the layers back)."""
+    config = checkpoint.served_config(config, QuantizationFlags.of(args))
+    lies_turned, platform = checkpoint.lies_turned(config), jax.default_backend()
+    for warning in dtype_warnings(args.dtype, args.quantization, config, dtype, platform, checkpoint.dtype):
+        logger.warning("%s", warning)
+    matmuls = resolve_cpu_matmuls(args.cpu_matmul_library, platform, config, dtype, devices=plan.tp * plan.pp,
+                                  weights_in_place=checkpoint.in_place, stored_turned=lies_turned)
+    model = load_checkpoint(checkpoint, AbstractModel(config, dtype, plan,
+                                                      feature_major=lies_turned and matmuls == FEATURE_MAJOR))
+    return _laid_out(args, model, matmuls, checkpoint.in_place, platform), matmuls
 
 
 def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) -> BuiltModel:
@@ -164,12 +163,11 @@ def build_abstract(args: EngineArgs, devices, platform: str, device_limit: int) 
     plan = make_plan(args.parallel, num_layers=config.num_layers, num_heads=config.num_heads,
                      num_kv_heads=config.num_kv_heads, devices=devices)
     dtype = resolve_dtype(args.dtype, config, platform)
-    config = quantized_config(config, args.quantization, checkpoint_quantization(args.model_dir),
-                              args.quantization_strategy, args.quantize_lm_head, stored_quantization(args.model_dir),
-                              args.quantize_embedding)
-    model = abstract_weights(config, dtype, plan)
-    built = _finish_build(args, served_name(args.model), model, config, None, dtype, None, platform=platform,
-                          free_bytes=device_limit - bytes_per_device(model.params))
+    config = Checkpoint.read(args.model_dir).served_config(config, QuantizationFlags.of(args), platform)
+    model = AbstractModel(config, dtype, plan).shapes()
+    free_bytes = device_limit - bytes_per_device(model.params)
+    built = _finish_build(args, served_name(args.model), _laid_out(args, model, None, platform=platform), None,
+                          None, platform=platform, free_bytes=free_bytes)
     return dataclasses.replace(built, runner=runner, pooler_config=pooler)
 
 
@@ -178,14 +176,6 @@ def bytes_per_device(tree) -> int:
     device holds (4-bit codes at half a byte)."""
     return sum(device_bytes(jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype))
                for a in jax.tree.leaves(tree))
-
-
-def _cpu_matmuls(args: EngineArgs, config: ModelConfig, dtype, plan, layout_stored: bool = False) -> str | None:
-    """The library of a CPU's products (`execution/cpu_matmuls.py`), known before loading: a checkpoint stored
-    feature-major (`layout_stored`) is loaded as it lies only for the feature-major products."""
-    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
-    return resolve_cpu_matmuls(args.cpu_matmul_library, jax.default_backend(), config, dtype,
-                               devices=plan.tp * plan.pp, weights_in_place=in_place, stored_turned=layout_stored)
 
 
 def _mesh_plan(args: EngineArgs, config: ModelConfig):
@@ -223,37 +213,20 @@ def token_buckets_for(budget: int, dtype, platform: str | None = None) -> tuple[
     return buckets
 
 
-def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: ModelConfig, tokenizer: Tokenizer | None,
-                  dtype, matmuls: str | None, platform: str | None = None, free_bytes=None) -> BuiltModel:
-    """Everything but the weights, for a model already on its mesh; `matmuls`: the CPU's product library.
-    `platform` and `free_bytes`: the devices' kind and memory free after the weights, for a mesh of
-    compile-only devices (`build_abstract`); default: this process's devices."""
-    platform = platform or jax.default_backend()
-    attention = select_attention_backend(args.attention_backend, platform)
-    check_page_dtype(args.kv_cache_dtype, model.plan.mesh.devices.flat[0])
-    if resolve_layer_loop(args.layer_loop, platform) == "scan":
+def _laid_out(args: EngineArgs, model: ShardedModel, matmuls: str | None, in_place: bool = False,
+              platform: str | None = None) -> ShardedModel:
+    """The loaded model laid out as the engine runs it: its layers under `lax.scan` where the layer loop
+    says so (`scan_layers`); on a CPU (`matmuls`, None elsewhere) its linear layers feature-major for those
+    products, unless loaded so, and on one device a mixture's experts held apart (`model/moe.py`).
+    `in_place`: the weights are views of a mapped checkpoint's files (`Checkpoint.in_place`)."""
+    if resolve_layer_loop(args.layer_loop, platform or jax.default_backend()) == "scan":
         model = scan_layers(model)
         repeats = model.layer_repeats
         logger.info("layers: %s", f"under lax.scan, {repeats} repeats of {model.plan.layers_per_stage // repeats} "
                     f"layer(s)" if repeats > 1 else "unrolled (no repeating period of layers to scan)")
     else:
         logger.info("layers: unrolled")
-    max_model_len = args.max_model_len or config.max_position_embeddings
-    if max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
-    budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
-                                             default_token_budget(args.max_num_seqs))
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
-        token_buckets=args.token_buckets or token_buckets_for(budget, dtype, platform),
-        scheduling_policy=args.scheduling_policy,
-        target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
-    in_place = args.model_dir is not None and checkpoint_format(args.model_dir) == "mapped"
-    # A CPU engine (matmuls is None elsewhere) on one device holds a mixture's experts apart (model/moe.py).
-    apart = matmuls is not None and any(config.sparse_layers) and experts_can_split(model)
+    apart = matmuls is not None and any(model.config.sparse_layers) and experts_can_split(model)
     start, turn = time.perf_counter(), matmuls == FEATURE_MAJOR and not model.feature_major
     if turn:
         # One pass for both: a mapped file's expert stacks are then copied once, into their split, not twice.
@@ -267,8 +240,35 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, config: Mode
             model = split_experts(model, weights_in_place=in_place)
     if apart:
         logger.info("experts: %d per sparse layer held as separate arrays, each tile's picked by lax.switch "
-                    "(split %s)", config.num_experts,
+                    "(split %s)", model.config.num_experts,
                     "as the kernels turned" if turn else f"in {time.perf_counter() - start:.2f} s")
+    return model
+
+
+def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: Tokenizer | None,
+                  matmuls: str | None, platform: str | None = None, free_bytes=None) -> BuiltModel:
+    """Everything but the weights, for a model already on its mesh as it runs (`_laid_out`), but for the
+    kernels of its quantized products, chosen here once the token buckets are known; `matmuls`: the CPU's
+    product library. `platform` and `free_bytes`: the devices' kind and memory free after the weights, for
+    a mesh of compile-only devices (`build_abstract`); default: this process's devices."""
+    config, dtype, platform = model.config, model.dtype, platform or jax.default_backend()
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    budget = args.max_num_batched_tokens or (args.token_buckets[-1] if args.token_buckets else
+                                             default_token_budget(args.max_num_seqs))
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=budget,
+        token_buckets=args.token_buckets or token_buckets_for(budget, dtype, platform),
+        scheduling_policy=args.scheduling_policy,
+        target_itl=None if args.target_itl_ms is None else args.target_itl_ms / 1e3,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills, waiting_served_ratio=args.waiting_served_ratio)
+    attention = select_attention_backend(args.attention_backend, platform)
+    check_page_dtype(args.kv_cache_dtype, model.plan.mesh.devices.flat[0])
+    # Before the KV pool takes the free memory: timing the products needs a few hundred MB for a moment.
+    model = choose_linear_kernels(model, args.quantized_matmul, platform, scheduler_config.token_buckets)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", platform,

@@ -1,9 +1,9 @@
 """The engine loop: schedule a step, launch it on the device, advance requests by the step before.
 
-1. `add_request` validates a prompt and its sampling settings (a `ValueError` naming the parameter,
-   before anything is allocated) and queues its choices; `add_pooling_request` queues a prompt to embed
-   (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that the next `step`
-   drains, so only the engine thread ever mutates request state.
+1. `add_request` validates a prompt and its sampling settings (`check_request`: a `ValueError` naming the
+   parameter, before anything is allocated) and queues its choices (`submit`); `add_pooling_request` queues
+   a prompt to embed (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that
+   the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
    then, while the device runs it, reads the draws of the step before and hands them to
    `update_from_output` (`jaxserve/scheduling/update.py`), the one place that advances requests. The
@@ -52,7 +52,7 @@ from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step_cost import StepClock
 from jaxserve.scheduling.update import RequestTracker
-from jaxserve.scheduling.validation import validate_priority, validate_request
+from jaxserve.scheduling.validation import CheckedRequest, validate_priority, validate_request
 from jaxserve.speculative.build import build_speculator
 from sharding import multihost
 
@@ -178,15 +178,24 @@ class Engine(PoolingRequests, StepTiming):
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
                     prompt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None) -> str:
-        """Validate and queue a request (thread-safe): its n choices come out as RequestOutputs with
-        `index` 0..n-1 under this one id. `priority` (only with the priority scheduling policy): lower
-        runs first. `lora_request`: the adapter it runs under (read and checked here; a `LoRAError`, a
-        ValueError, when it cannot be served). Returns the id."""
+        """Check and queue a request (`check_request`, then `submit`). Returns the id."""
+        return self.submit(self.check_request(prompt_ids, params, priority, lora_request), request_id, prompt)
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> CheckedRequest:
+        """Validate a request (a ValueError naming the parameter) and read its adapter (a `LoRAError`, a
+        ValueError, when it cannot be served); allocates nothing. `priority` (only with the priority
+        scheduling policy): lower runs first."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params, priority)
-        lora = self.resolve_lora(lora_request)
+        return CheckedRequest(prompt_ids, params, priority, self.resolve_lora(lora_request))
+
+    def submit(self, request: CheckedRequest, request_id: str | None = None, prompt: str | None = None) -> str:
+        """Queue a checked request as it is (thread-safe): its n choices come out as RequestOutputs with
+        `index` 0..n-1 under this one id. Returns the id."""
         request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_choices(prompt_ids, params, request_id, prompt, priority, lora)))
+        self._inbox.put(("add", self.tracker.new_choices(request.prompt_ids, request.params, request_id, prompt,
+                                                         request.priority, request.lora)))
         return request_id
 
     def resolve_lora(self, lora_request: LoRARequest | None):

@@ -50,9 +50,10 @@ class Precision:
 
 
 def dtype_warnings(requested_dtype: str, requested_quantization: str | None, config: ModelConfig, dtype,
-                   platform: str) -> list[str]:
-    """What differs between what was asked, what the checkpoint stores and what will run."""
-    stored = str(config.torch_dtype).removeprefix("torch.")
+                   platform: str, stored: str | None = None) -> list[str]:
+    """What differs between what was asked, what the checkpoint stores (`stored`, default config.json's
+    dtype: a converted checkpoint's own can differ) and what will run."""
+    stored = stored or str(config.torch_dtype).removeprefix("torch.")
     serving = jnp.dtype(dtype).name
     spec = config.linear_quantization
     warnings = []

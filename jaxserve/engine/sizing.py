@@ -34,15 +34,16 @@ from jaxserve.engine.roofline import StepWork
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import KVShare, page_bytes, resolve_kv_budget
 from jaxserve.execution.programs import StepPrograms
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
-from jaxserve.loader.load import abstract_weights
-from jaxserve.loader.quantized import checkpoint_quantization, quantized_config, stored_quantization
+from jaxserve.loader.formats import Checkpoint
+from jaxserve.loader.quantized import QuantizationFlags
 from jaxserve.lora.slots import LoRASlots
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.kv_quant import kv_quant_dtype
 from sharding import ParallelConfig, make_plan
 from sharding.chips import Chip, Target, parse_target
-from sharding.compile_only import compile_devices
+from sharding.compile_only import compile_devices, compile_options
 
 DEFAULT_UTILIZATION = 0.9  # the capacity figure's fraction when --gpu-memory-utilization is not given
 # JAX's allocator on a GPU takes this fraction of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says
@@ -129,6 +130,7 @@ class Plan:
             "parallel": {"tensor": self.built.model.plan.tp, "pipeline": self.built.model.plan.pp},
             "dtype": jax.numpy.dtype(self.built.dtype).name,
             "quantization": c.linear_quantization and c.linear_quantization.codes,
+            "quantization_strategy": c.linear_quantization and c.linear_quantization.strategy,
             "kv_cache_dtype": self.args.kv_cache_dtype,
             "max_model_len": self.built.scheduler_config.max_model_len,
             "max_num_seqs": self.args.max_num_seqs,
@@ -179,7 +181,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     built = build_abstract(args, devices, target.platform, limit)
     buckets = _buckets(built, programs)
     tracker = progress(len(buckets)) if progress else None
-    compiled = compile_programs(_step_programs(built, args), buckets, devices[0], tracker)
+    compiled = compile_programs(step_programs(built, args), buckets, target, tracker)
     plan_ = built.model.plan
     share = KVShare.of(built.model_config, plan_)
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or built.dtype
@@ -196,7 +198,7 @@ def plan_target(args: EngineArgs, target: Target, programs: str = "decode,larges
     heads = c.num_heads // plan_.tp
     work = StepWork.of(built.model.params, c, target.chip, per_token, plan_.layers_per_stage, heads, plan_.pp)
     plan = Plan(target, args, built, compiled, footprint, limit, per_token, capacity, utilization, work,
-                _compiler(target), [])
+                compiler_name(target), [])
     if not plan.fits:
         plan.advice = advice(plan)
     return plan
@@ -214,7 +216,7 @@ def _buckets(built: BuiltModel, programs: str) -> list[int]:
     return chosen
 
 
-def _step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
+def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
     """The step programs serving `args` would compile: LoRA slots and draft verification included."""
     lora = None if not args.enable_lora else LoRASlots.abstract_stack(
         built.model_config, args.max_loras, args.max_lora_rank, built.dtype, built.model.plan)
@@ -224,12 +226,15 @@ def _step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
                               if args.speculative_config else 0)
 
 
-def compile_programs(programs: StepPrograms, buckets: list[int], device, tracker=None) -> list[ProgramMemory]:
-    """Compile the programs of `buckets` side by side (XLA compiles outside the GIL) and read their memory."""
+def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:
+    """Compile the programs of `buckets` for `target` side by side (XLA compiles outside the GIL) and read
+    their memory."""
+    device, options = compile_devices(target)[0], compile_options(target)
+
     def one(bucket: int) -> ProgramMemory:
         start = time.perf_counter()
         with jax.default_device(device):  # Pallas' GPU lowering asks the default device what it is
-            memory = programs.lower(programs.layouts[bucket]).compile().memory_analysis()
+            memory = programs.lower(programs.layouts[bucket]).compile(options).memory_analysis()
         if tracker is not None:
             tracker.update(1)
         return ProgramMemory(bucket, memory.argument_size_in_bytes, memory.output_size_in_bytes,
@@ -251,7 +256,7 @@ def _capacity(built: BuiltModel, args: EngineArgs, share: KVShare, page_dtype, f
     return (budget.num_pages - 1) * args.page_size
 
 
-def _compiler(target: Target) -> str:
+def compiler_name(target: Target) -> str:
     if target.chip.is_tpu:
         version = _version("libtpu")
         return f"libtpu {version} (XLA:TPU and Mosaic, compile-only) for {target.topology}"
@@ -270,7 +275,7 @@ def _version(distribution: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_parallel: bool, dtype_flag: str,
-                    quantization: tuple) -> tuple[ModelConfig, object, int, KVShare]:
+                    quantization: QuantizationFlags) -> tuple[ModelConfig, object, int, KVShare]:
     """(config, dtype, weight bytes a device holds, the device's share of a page) for these options: the
     abstract model placed on the target's mesh. Cached: the advice's searches over context length and
     sequences keep the weights."""
@@ -278,20 +283,17 @@ def _placed_weights(model_dir: str, target: Target, tp: int, pp: int, expert_par
     plan_ = make_plan(ParallelConfig(tp, pp, expert_parallel), num_layers=config.num_layers,
                       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, devices=compile_devices(target))
     dtype = resolve_dtype(dtype_flag, config, target.platform)
-    requested, strategy, lm_head, embedding = quantization
-    config = quantized_config(config, requested, checkpoint_quantization(model_dir), strategy, lm_head,
-                              stored_quantization(model_dir), embedding)
-    weights = bytes_per_device(abstract_weights(config, dtype, plan_).params)
+    config = Checkpoint.read(model_dir).served_config(config, quantization, target.platform)
+    weights = bytes_per_device(AbstractModel(config, dtype, plan_).shapes().params)
     return config, dtype, weights, KVShare.of(config, plan_)
 
 
 def footprint(args: EngineArgs, target: Target, other: int) -> Footprint:
     """One device's bytes for `args` on `target` without compiling: the weights and the pool recomputed,
     `other` (the programs' own buffers) as compiled for the plan being advised."""
-    quantization = (args.quantization, args.quantization_strategy, args.quantize_lm_head, args.quantize_embedding)
     config, dtype, weights, share = _placed_weights(
         args.model_dir, target, args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel,
-        args.dtype, quantization)
+        args.dtype, QuantizationFlags.of(args))
     page_dtype = kv_quant_dtype(args.kv_cache_dtype) or dtype
     max_len = args.max_model_len or config.max_position_embeddings
     free = device_limit(target.chip) - weights

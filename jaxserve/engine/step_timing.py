@@ -48,16 +48,19 @@ class StepTiming:
         if not self.calibration_due or self.has_unfinished():
             return
         cost = self.scheduler.step_cost
-        for bucket in buckets:
-            seconds = self.runner.time_idle_step(bucket)
-            if seconds < WARMUP_BATCHES_BELOW_SECONDS:
-                self.runner.run_warmup_batches(bucket)
-            if seconds < SHORT_STEP_SECONDS:
-                seconds = min(seconds, self.runner.time_idle_step(bucket))
-            cost.observe(bucket, 0, seconds)
-            if self.speculator is not None and bucket > 1:  # a step verifying drafts draws more rows
-                self.speculator.verify_cost.observe(bucket, 0, self._time_verify_step(bucket))
-            self._timed_buckets.add(bucket)
+        # A program's first runs may compile what runs inside it on the host (the interpreted kernels'
+        # callbacks on CPU, on whichever thread XLA runs them): that is start-up's, not a served step's.
+        with self.runner.events.counting(warmup=True):
+            for bucket in buckets:
+                seconds = self.runner.time_idle_step(bucket)
+                if seconds < WARMUP_BATCHES_BELOW_SECONDS:
+                    self.runner.run_warmup_batches(bucket)
+                if seconds < SHORT_STEP_SECONDS:
+                    seconds = min(seconds, self.runner.time_idle_step(bucket))
+                cost.observe(bucket, 0, seconds)
+                if self.speculator is not None and bucket > 1:  # a step verifying drafts draws more rows
+                    self.speculator.verify_cost.observe(bucket, 0, self._time_verify_step(bucket))
+                self._timed_buckets.add(bucket)
         if self.calibration_due:
             return  # the log line comes with the last bucket
         target = self.scheduler.itl_target()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxserve.config import CPU_MATMUL_LIBRARIES, KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS
+from jaxserve.config import CPU_MATMUL_LIBRARIES, KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS, QUANTIZED_MATMULS
 from jaxserve.engine_args import EngineArgs
 
 
@@ -56,6 +56,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="with --quantization: store the token embedding (an untied one) as codes with one scale "
                         "per token, as llama.cpp's Q8_0 files do: a quarter of its float32 memory; each step "
                         "looks up its rows and scales them")
+    g.add_argument("--quantized-matmul", default=EngineArgs.quantized_matmul, choices=list(QUANTIZED_MATMULS),
+                   help="what multiplies weight-only quantized layers (int4 checkpoints, int8 on GPUs) in decode-"
+                        "sized steps: 'auto' times a Pallas kernel against XLA's product for each layer shape at "
+                        "start on a GPU or TPU and keeps the faster (the log says which); 'xla' or 'pallas' forces "
+                        "one (on a CPU 'auto' is XLA, and 'pallas' runs the kernels interpreted: for tests)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV page precision: 'auto' keeps the model's dtype; 'int8' and 'fp8' (e4m3) store codes "
                         "with a float32 scale per token and KV head (3.8x the tokens of float32 pages in the "

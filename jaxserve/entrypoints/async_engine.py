@@ -3,9 +3,10 @@
 1. `start()` spawns the engine thread, which loads the model, compiles every program (warm-up) and sets
    `ready`; until then servers answer 503. If that fails, `start_error` holds what to tell the user (the
    error itself when its message names the file or option to change) and `on_failure` fires, as below.
-2. `generate()` (asyncio side) validates and queues a request, then yields each `RequestOutput` the
-   thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does the same for a
-   pooling request and its one `EmbeddingRequestOutput`.
+2. `generate()` (asyncio side) queues a request the engine has checked (`Engine.check_request`, which the
+   caller runs first, off the event loop, for every prompt before it queues any), then yields each
+   `RequestOutput` the thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does
+   the same for a checked pooling request (`Engine.check_pooling`) and its one `EmbeddingRequestOutput`.
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.
@@ -20,15 +21,16 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.pooling_requests import CheckedPooling
 from jaxserve.engine_args import EngineArgs
 from jaxserve.engine.startup import reported
 from jaxserve.errors import ACTIONABLE_ERRORS
 from jaxserve.outputs import RequestOutput
-from jaxserve.pooling.params import EmbeddingRequestOutput, PoolingParams
-from jaxserve.sampling.params import SamplingParams
+from jaxserve.pooling.params import EmbeddingRequestOutput
+from jaxserve.scheduling.validation import CheckedRequest
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -133,19 +135,18 @@ class AsyncEngine:
 
     # ---- requests (asyncio side) ------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                       prompt: str | None = None, priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs (every choice's, each with its `index`) until all its
-        choices are finished. ValueError (before anything is queued) on bad input."""
+    async def generate(self, request: CheckedRequest, request_id: str,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a checked request and yield its outputs (every choice's, each with its `index`) until all
+        its choices are finished."""
         if self.error:
             raise EngineDeadError(self.error)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
-        running = params.n
+        running = request.params.n
         finished = False
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, prompt=prompt, priority=priority,
-                                    lora_request=lora_request)
+            self.engine.submit(request, request_id, prompt)
             self._wake.set()
             while not finished:
                 item = await q.get()
@@ -159,17 +160,17 @@ class AsyncEngine:
             if not finished and self.engine is not None:
                 self.abort(request_id)
 
-    async def embed(self, prompt_ids: Sequence[int], params: PoolingParams, request_id: str,
+    async def embed(self, request: CheckedPooling, request_id: str,
                     prompt: str | None = None) -> EmbeddingRequestOutput | RequestOutput:
-        """Queue a pooling request and wait for its embedding (a `RequestOutput` with finish_reason "abort"
-        instead when it was aborted meanwhile). ValueError (before anything is queued) on bad input."""
+        """Queue a checked pooling request and wait for its embedding (a `RequestOutput` with finish_reason
+        "abort" instead when it was aborted meanwhile)."""
         if self.error:
             raise EngineDeadError(self.error)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            self.engine.add_pooling_request(prompt_ids, params, request_id=request_id, prompt=prompt)
+            self.engine.submit_pooling(request, request_id, prompt)
             self._wake.set()
             item = await q.get()
             if isinstance(item, Exception):

@@ -31,7 +31,7 @@ class LLM:
         kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching (on by default), kv_cache_dtype ("auto" | "int8" | "fp8"), quantization ("int8" |
         "fp8": linear layers quantized at load; None follows the checkpoint), quantization_strategy, quantize_lm_head,
-        quantize_embedding,
+        quantize_embedding, quantized_matmul ("auto" | "xla" | "pallas": what runs weight-only products),
         max_num_batched_tokens, token_buckets, attention_backend, layer_loop, cpu_matmul_library,
         tensor_parallel_size,
         pipeline_parallel_size, enable_expert_parallel, distributed_coordinator, num_processes, process_id,

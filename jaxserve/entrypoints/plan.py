@@ -71,7 +71,8 @@ def run_plan(ns: argparse.Namespace) -> int:
 def render(r: dict) -> str:
     d, roof = r["per_device"], r["roofline"]
     gb = lambda n: f"{n / 1e9:.2f} GB"
-    quant = f", {r['quantization']} weights" if r["quantization"] else ""
+    quant = (f", {r['quantization']} weights run {r['quantization_strategy'].replace('_', ' ')}"
+             if r["quantization"] else "")
     lines = [
         f"{r['model']} ({r['model_type']}, {r['dtype']}{quant}, KV {r['kv_cache_dtype']}) on {r['target']}: "
         f"{r['devices']} x {r['chip']}" + (f" on {r['hosts']} hosts" if r["hosts"] > 1 else ""),

@@ -75,8 +75,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def _rows(pages, page_ids, offsets) -> np.ndarray:
     """[kv_heads, tokens, head_dim] of a layer's pages at (page, offset) pairs; int8 / fp8 pages dequantized."""
-    if isinstance(pages, QuantizedPages):
-        return np.asarray(dequantize_kv(pages.codes[:, page_ids, offsets], pages.scales[:, page_ids, offsets]))
+    if isinstance(pages, QuantizedPages):  # the scales lane-dense: a token's at its flat slot
+        slots = np.asarray(page_ids) * pages.codes.shape[2] + np.asarray(offsets)
+        scales = pages.scales.reshape(pages.scales.shape[0], -1)[:, slots]
+        return np.asarray(dequantize_kv(pages.codes[:, page_ids, offsets], scales))
     return np.asarray(pages[:, page_ids, offsets])
 
 

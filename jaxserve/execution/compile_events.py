@@ -36,9 +36,13 @@ class CompileEvents:
         _install()
 
     @contextlib.contextmanager
-    def counting(self, warmup: bool = False):
-        """Credit this thread's compilations to these counters (as warm-up's, with `warmup`)."""
+    def counting(self, warmup: bool | None = None):
+        """Credit this thread's compilations to these counters: as warm-up's with `warmup`; with None, as
+        the enclosing `counting` of these counters does (a step run by the calibration that ends warm-up is
+        warm-up's), else as a step's."""
         previous = _current.events, _current.warmup
+        if warmup is None:
+            warmup = previous[0] is self and previous[1]
         _current.events, _current.warmup = self, warmup
         try:
             yield

@@ -23,7 +23,7 @@ from jaxserve.model.kv_cache import KVCache, QuantizedPages
 from jaxserve.sampling.logits import SamplerState
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.dispatch import AttentionBackend
-from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype
+from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype, scales_shape
 from sharding import MeshPlan
 from sharding.rules import kv_cache_spec, kv_scales_spec
 
@@ -38,14 +38,14 @@ def abstract(tree):
 def abstract_kv_cache(model_config: ModelConfig, cache_config: CacheConfig, plan: MeshPlan, dtype,
                       layers_folded: bool) -> KVCache:
     """Each of a stage's layers' K and V pages [pp * num_kv_heads, num_pages, page_size, head_dim]
-    (quantized: codes, and scales without head_dim), as shapes and shardings; one array of every layer's
+    (quantized: codes, and their lane-dense scales), as shapes and shardings; one array of every layer's
     block when the layers run under `lax.scan` (`KVCache`)."""
     c = model_config
     shape = (plan.pp * c.num_kv_heads, cache_config.num_pages, cache_config.page_size, c.head_dim)
     page_dtype = kv_quant_dtype(cache_config.kv_cache_dtype)
     pages = jax.ShapeDtypeStruct(shape, page_dtype or dtype, sharding=plan.sharding(kv_cache_spec()))
     if page_dtype is not None:
-        scales = jax.ShapeDtypeStruct(shape[:3], SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
+        scales = jax.ShapeDtypeStruct(scales_shape(*shape[:3]), SCALE_DTYPE, sharding=plan.sharding(kv_scales_spec()))
         pages = QuantizedPages(pages, scales)
     return KVCache.abstract(pages, plan.layers_per_stage, folded=layers_folded)
 
@@ -66,7 +66,7 @@ class StepPrograms:
               scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
               sampler_config: SamplerConfig = SamplerConfig(), pooling: bool = False, lora_stack=None,
               max_drafts: int = 0, compiler_options: dict | None = None) -> "StepPrograms":
-        """`model`'s parameters may be arrays or shapes (`loader.load.abstract_weights`); `lora_stack`: the
+        """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `lora_stack`: the
         LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
         sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program."""
         plan = model.plan

@@ -9,8 +9,10 @@
    with its format (`formats.py`), last, so a half-written directory is never taken for a checkpoint.
 4. Quantized linear layers are stored as they run, in either format: quantized here (`quantization`, as
    `--quantization` would at every load) or read from a pre-quantized checkpoint (compressed-tensors, AWQ,
-   GPTQ). The marker says how (`quantized.stored_quantization`), so a start reads codes and scales as
+   GPTQ). The marker says how (`quantized.describe_stored`), so a start reads codes and scales as
    they lie and quantizes nothing.
+5. The tensors are read as a serving start reads them (`formats.Checkpoint.reader`), for the abstract model
+   of the layout being written (`abstract.py`).
 """
 
 from __future__ import annotations
@@ -22,15 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
+from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import DTYPES
-from jaxserve.loader.formats import checkpoint_format, mark_converted
+from jaxserve.loader.formats import Checkpoint, mark_converted
 from jaxserve.loader.mapped import write_mapped
 from jaxserve.loader.orbax import PARAMS_DIR, save_orbax
-from jaxserve.loader.placement import param_entries, param_specs
-from jaxserve.loader.quantized import (checkpoint_quantization, describe_stored, made_for_float_activations,
-                                       quantized_loading, requantizes)
-from jaxserve.loader.safetensors import SafetensorsReader
-from jaxserve.loader.turned import FEATURE_MAJOR_LAYOUT, TurningReader
+from jaxserve.loader.quantized import QuantizationFlags, describe_stored, made_for_float_activations, requantizes
+from jaxserve.loader.turned import FEATURE_MAJOR_LAYOUT
 from jaxserve.model.feature_major import turning_pays
 from sharding import ParallelConfig, make_plan
 
@@ -46,7 +46,8 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
     `quantization`, `quantize_lm_head`, `quantize_embedding`: as the same flags at a load. `linear_layout`
     (mapped only): `feature-major` stores the linear layers as a CPU runs them, `model` in the model's own
     layout, `auto` the first on a CPU for a model that runs so there by default (`turning_pays`)."""
-    if checkpoint_format(model_dir):
+    checkpoint = Checkpoint.read(model_dir)
+    if checkpoint.converted:
         raise ValueError(f"{model_dir} is already a converted checkpoint: convert from the Hugging Face directory")
     config = ModelConfig.from_pretrained(model_dir)
     # Keep the checkpoint's own precision unless asked otherwise (`auto` here does not mean "f32 on CPU").
@@ -62,28 +63,29 @@ def convert(model_dir: str | Path, output: str | Path, dtype_request: str = "aut
     if linear_layout == FEATURE_MAJOR_LAYOUT and format != "mapped":
         raise ValueError("--linear-layout feature-major is stored by --format mapped only (Orbax is for meshes, "
                          "and feature-major layers run on one device)")
-    ckpt = checkpoint_quantization(model_dir)
-    reader, config = quantized_loading(SafetensorsReader(model_dir), config, quantization, ckpt,
-                                       lm_head=quantize_lm_head, embedding=quantize_embedding)
-    spec = config.linear_quantization
+    flags = QuantizationFlags(quantization, lm_head=quantize_lm_head, embedding=quantize_embedding)
+    config = checkpoint.served_config(config, flags)
+    spec, dtype = config.linear_quantization, DTYPES[name]
     output = _new_dir(output)
-    marker = {"format": format, "dtype": jnp.dtype(DTYPES[name]).name}
+    marker = {"format": format, "dtype": jnp.dtype(dtype).name}
     if spec is not None:
+        declared = checkpoint.declared
         marker["linear_quantization"] = describe_stored(
-            spec, made_for_float_activations(ckpt) and not requantizes(quantization, ckpt))
+            spec, made_for_float_activations(declared) and not requantizes(quantization, declared))
     if format == "mapped":
         turned = linear_layout == FEATURE_MAJOR_LAYOUT or (
-            linear_layout == "auto" and jax.default_backend() == "cpu" and turning_pays(config, DTYPES[name], 1))
+            linear_layout == "auto" and jax.default_backend() == "cpu" and turning_pays(config, dtype, 1))
         if turned:
-            reader, marker["linear_layout"] = TurningReader(reader, config, DTYPES[name]), FEATURE_MAJOR_LAYOUT
-        count = write_mapped(reader, param_specs(config, DTYPES[name], feature_major=turned), output)
+            marker["linear_layout"] = FEATURE_MAJOR_LAYOUT
+        model = AbstractModel(config, dtype, feature_major=turned)
+        count = write_mapped(checkpoint.reader(model), model.params, output)
         mark_converted(model_dir, output, marker)
     else:
         plan = make_plan(parallel or ParallelConfig(), num_layers=config.num_layers, num_heads=config.num_heads,
                          num_kv_heads=config.num_kv_heads)
-        entries = param_entries(config, DTYPES[name], plan, pad=False)
-        save_orbax(reader.read(entries), output)
-        count = len(entries)
+        model = AbstractModel(config, dtype, plan, pad=False)
+        save_orbax(checkpoint.reader(model).read(model.entries), output)
+        count = len(model.entries)
         if jax.process_index() == 0:
             mark_converted(model_dir, output, {**marker, "params": PARAMS_DIR})
     logger.info("wrote %s checkpoint %s (%d tensors, %s%s%s) from %s", format, output, count, name,

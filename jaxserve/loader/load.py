@@ -1,11 +1,13 @@
-"""Loading, one straight path: a checkpoint's reader -> parameters placed on the device mesh.
+"""Loading, one straight path: a checkpoint's description -> its reader -> parameters placed on the device mesh.
 
-1. Read: `open_checkpoint` detects a directory's format and opens its reader (`formats.py`): Hugging Face
-   safetensors, a mapped checkpoint used in place, or Orbax. An in-memory module (the demo model,
-   benchmarks) is read by a `ModuleReader`.
-2. Plan: `param_entries` gives every parameter its layout from the partition rules (`placement.py`).
-3. Fill and place: the reader fills each entry, every device reading only its own slice, and `assemble`
-   stacks the pipeline stages' layers into the model state the jitted step runs on.
+1. Describe: `Checkpoint.read` reads what a directory holds, once (`formats.py`): Hugging Face
+   safetensors, a mapped checkpoint used in place, or Orbax; how its linear layers are stored. Weights
+   in memory (the demo model, benchmarks) are described by `Checkpoint.in_memory`.
+2. Plan: the abstract model (`abstract.py`) gives every parameter its shape, dtype and layout on the mesh,
+   its linear layers as the config's quantization and the chosen layout make them.
+3. Fill and place: the reader the description composes for that model (`Checkpoint.reader`) fills each
+   entry, every device reading only its own slice, and `AbstractModel.place` stacks the pipeline stages'
+   layers into the model state the jitted step runs on.
 """
 
 from __future__ import annotations
@@ -14,48 +16,43 @@ import logging
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.formats import open_checkpoint
-from jaxserve.loader.placement import ModuleReader, ShardedModel, assemble, param_entries
-from jaxserve.loader.quantized import checkpoint_quantization, quantized_loading, stored_quantization
-from jaxserve.loader.turned import UnturningReader, stored_turned
+from jaxserve.loader.abstract import AbstractModel
+from jaxserve.loader.formats import Checkpoint
+from jaxserve.loader.placement import ShardedModel
+from jaxserve.loader.quantized import QuantizationFlags
 from sharding import ParallelConfig, make_plan
 from sharding.mesh import MeshPlan
 
 logger = logging.getLogger(__name__)
 
 
-def load_weights(reader, config: ModelConfig, dtype, plan: MeshPlan, feature_major: bool = False) -> ShardedModel:
-    """Every parameter `reader` holds, placed on the mesh of `plan`; `feature_major`: the reader holds the
-    linear layers turned (`turned.py`), and the model is built so."""
+def load_weights(reader, model: AbstractModel) -> ShardedModel:
+    """Every parameter of `model`, filled by `reader` and placed on the mesh of `model.plan`."""
     start = time.perf_counter()
-    entries = param_entries(config, dtype, plan, feature_major=feature_major)
-    model = assemble(reader.read(entries), config, dtype, plan, feature_major)
+    placed = model.place(reader.read(model.entries))
     seconds = time.perf_counter() - start
-    logger.info("weights: %d tensors, %.1f MB on the mesh, from %s as %s in %.1fs (%.2f GB/s)", len(entries),
-                model.num_bytes / 1e6, reader.description, jnp.dtype(dtype).name, seconds,
-                model.num_bytes / 1e9 / max(seconds, 1e-9))
-    return model
+    logger.info("weights: %d tensors, %.1f MB on the mesh, from %s as %s in %.1fs (%.2f GB/s)", len(model.entries),
+                placed.num_bytes / 1e6, reader.description, jnp.dtype(model.dtype).name, seconds,
+                placed.num_bytes / 1e9 / max(seconds, 1e-9))
+    return placed
+
+
+def load_checkpoint(checkpoint: Checkpoint, model: AbstractModel) -> ShardedModel:
+    """`model` filled from `checkpoint` (the reader its description composes for it)."""
+    return load_weights(checkpoint.reader(model), model)
 
 
 def load_sharded(model_dir: str | Path, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
     """Any supported checkpoint directory onto the mesh of `plan`, each device reading its shards; quantized
     linear layers as the checkpoint stores them (the returned model's config says how), in the model's own
     layout (a feature-major mapped checkpoint's layers turned back: `turned.py`)."""
-    reader, config = quantized_loading(open_checkpoint(model_dir), config, None, checkpoint_quantization(model_dir),
-                                       stored=stored_quantization(model_dir))
-    if stored_turned(model_dir):
-        reader = UnturningReader(reader, config, dtype)
-    return load_weights(reader, config, dtype, plan)
-
-
-def shard_module(module: nnx.Module, config: ModelConfig, dtype, plan: MeshPlan) -> ShardedModel:
-    """An in-memory (unsharded) module onto the mesh: the demo model, tests."""
-    return load_weights(ModuleReader(module), config, dtype, plan)
+    checkpoint = Checkpoint.read(model_dir)
+    config = checkpoint.served_config(config, QuantizationFlags())
+    return load_checkpoint(checkpoint, AbstractModel(config, dtype, plan))
 
 
 def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
@@ -64,12 +61,3 @@ def load_model(model_dir: str | Path, config: ModelConfig, dtype) -> nnx.Module:
                      num_kv_heads=config.num_kv_heads)
     model = load_sharded(model_dir, config, dtype, plan)
     return nnx.merge(model.graphdef, model.params)
-
-
-def abstract_weights(config: ModelConfig, dtype, plan: MeshPlan, feature_major: bool = False) -> ShardedModel:
-    """The model as `load_weights` places it, with `jax.ShapeDtypeStruct`s (shape, dtype, sharding) where the
-    arrays would be: what compiling a step needs of the weights (`jaxserve plan`). Nothing is read or
-    allocated, so it works for a mesh of compile-only devices and a model of any size."""
-    entries = param_entries(config, dtype, plan, feature_major=feature_major)
-    shapes = {e.path: jax.ShapeDtypeStruct(e.layout.padded, e.dtype, sharding=e.sharding) for e in entries}
-    return assemble(shapes, config, dtype, plan, feature_major)

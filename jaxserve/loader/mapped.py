@@ -27,7 +27,7 @@ MAPPED_SHARD_BYTES = 4 << 30  # tensors per file, at most (one tensor bigger tha
 
 
 def write_mapped(reader: RegionReader, params: list[tuple[tuple, jax.ShapeDtypeStruct]], output: Path) -> int:
-    """Write every parameter of `params` ((path, shape and dtype), `placement.param_specs`), as `reader` fills
+    """Write every parameter of `params` ((path, shape and dtype), `AbstractModel.params`), as `reader` fills
     it, into `output` in the mapped format; returns the number of tensors. The reader is closed afterwards."""
     shards: list[list] = [[]]
     filled = 0  # bytes in the last shard

@@ -1,9 +1,8 @@
-"""Placement: every parameter's layout on the device mesh from the partition rules, filled shard by shard.
+"""Placement: the model on the device mesh, filled shard by shard from a checkpoint's reader.
 
-1. `param_entries` walks the abstract full model (no memory) and, per parameter, takes its layout from
-   the rule table (`sharding/rules.py`): padded shape, PartitionSpec, and where it lives — a layer's
-   parameters on its pipeline stage's devices, the embedding, final norm and LM head on every stage.
-2. A checkpoint reader fills the entries (`read`). Readers of tensor regions (safetensors, an in-memory
+1. The abstract model (`abstract.py`) gives every parameter its layout on the mesh: padded shape,
+   PartitionSpec, and the devices it lives on.
+2. A checkpoint reader fills those entries (`read`). Readers of tensor regions (safetensors, an in-memory
    module) share `RegionReader.read`: each device's slice is read straight into the buffer that becomes
    its array, several parameters at a time. The Orbax reader restores into the shardings itself.
 3. `assemble` relabels the stages' copies of each layer slot as one array stacked along dim 0 over the
@@ -37,7 +36,7 @@ from jaxserve.model.moe import split_experts as split_expert_stacks
 from jaxserve.model.registry import abstract_model
 from sharding.loading import Fill, InPlace, array_from_reader, host_buffer, stack_stages
 from sharding.mesh import MeshPlan
-from sharding.rules import ParamLayout, is_layer_param, param_layout, runtime_spec
+from sharding.rules import ParamLayout, is_layer_param, runtime_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,30 +68,6 @@ class ShardedModel:
     @property
     def num_bytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(self.params))
-
-
-def param_specs(config: ModelConfig, dtype,
-                feature_major: bool = False) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
-    """Every parameter of the full model (its linear layers turned with `feature_major`): (path, shape and
-    dtype), in the module's order."""
-    return module_specs(abstract_model(config, dtype, feature_major))
-
-
-def module_specs(module: nnx.Module) -> list[tuple[ParamPath, jax.ShapeDtypeStruct]]:
-    """Every parameter of `module` (abstract or not): (path, its value), in the module's order."""
-    _, state = nnx.split(module)
-    return [(tuple(str(p) for p in path), spec) for path, spec in flatten(nnx.to_pure_dict(state))]
-
-
-def param_entries(config: ModelConfig, dtype, plan: MeshPlan, pad: bool = True,
-                  feature_major: bool = False) -> list[ParamEntry]:
-    mesh_shape = dict(plan.mesh.shape)
-    entries = []
-    for path, spec in param_specs(config, dtype, feature_major):
-        layout = param_layout(path, tuple(spec.shape), mesh_shape, pad=pad, expert_parallel=plan.expert_parallel)
-        mesh = plan.stage_mesh(int(path[1]) // plan.layers_per_stage) if is_layer_param(path) else plan.mesh
-        entries.append(ParamEntry(path, layout, spec.dtype, NamedSharding(mesh, layout.spec)))
-    return entries
 
 
 def loading_progress(total: int):

@@ -1,9 +1,10 @@
 """Quantized linear layers at load: decide what the weights become, then fill codes, scales and zeros.
 
-1. `checkpoint_quantization(model_dir)` detects a pre-quantized checkpoint from its `quantization_config`
-   (or refuses its format by name, before a byte is read); `linear_quantization` reconciles it with
-   `--quantization` (int8 / fp8 quantize a float checkpoint at load; one that disagrees with the
-   checkpoint is an error naming both) and picks the strategy for the backend once (`default_strategy`).
+1. A checkpoint's description (`formats.Checkpoint`) says what its config.json declares (a pre-quantized
+   checkpoint, detected from its `quantization_config` or refused by name before a byte is read) or how a
+   converted checkpoint stores its layers (`stored_layers`). `quantized_config` reconciles that with the
+   flags (`QuantizationFlags`: int8 / fp8 quantize a float checkpoint at load; a flag that disagrees with
+   the checkpoint is an error naming both) and picks the strategy for the backend once (`default_strategy`).
 2. The model config then carries the result (`ModelConfig.linear_quantization`), so the abstract model
    the loader plans from has `QuantizedLinear` layers, whose `codes`, `scales` and `zeros` entries
    `QuantizedLinearReader` fills: each linear layer's `QuantizedWeight` is made once on the host, by
@@ -12,43 +13,48 @@
    token embedding likewise when asked (the embedding per token row, `QuantizedEmbed`). Every other
    parameter (norms, biases, float embeddings and head) goes to the wrapped reader as before.
 3. A converted checkpoint (`jaxserve convert --quantization`) stores the layers as they run: codes, scales
-   and zeros by parameter path, described in its marker (`stored_quantization`). It is read like any other
+   and zeros by parameter path, described in its marker (`describe_stored`). It is read like any other
    parameter, in place where the format allows; only the strategy is chosen again, for this backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import ml_dtypes
 import numpy as np
 
 from jaxserve.config import LinearQuantization, ModelConfig
-from jaxserve.json_files import read_json_object
-from jaxserve.loader.formats import checkpoint_format, checkpoint_marker
 from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.safetensors import SafetensorsReader, hf_tensor_name
 from jaxserve.loader.tree import ParamPath
 from jaxserve.model.quantized_linear import CODE_DTYPES
 from jaxserve.quantization import QuantizedWeight, default_strategy, dequantize_weight, quantize_weight
-from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq, detect_checkpoint_quantization
+from jaxserve.quantization.checkpoints import CheckpointQuantization, Gptq
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from jaxserve.engine_args import EngineArgs
 
 QUANTIZED_PARTS = ("codes", "scales", "zeros")
 EMBEDDING = ("embed_tokens",)  # quantized per row (`--quantize-embedding`); linear layers per output column
 
 
-def checkpoint_quantization(model_dir: str | Path | None) -> CheckpointQuantization | None:
-    """The quantization a Hugging Face directory's config.json declares (None: float weights, or a converted
-    checkpoint, whose copied config.json describes its source: see `stored_quantization`)."""
-    if model_dir is None or not (Path(model_dir) / "config.json").is_file() or checkpoint_format(model_dir):
-        return None
-    return detect_checkpoint_quantization(read_json_object(Path(model_dir) / "config.json"), model_dir)
+@dataclasses.dataclass(frozen=True)
+class QuantizationFlags:
+    """What the quantization flags ask. `method`: `--quantization` (None: follow the checkpoint; "none":
+    float layers); `strategy`: `--quantization-strategy` (None: the backend's choice); `lm_head` /
+    `embedding`: `--quantize-lm-head` / `--quantize-embedding`, quantized at load too."""
+    method: str | None = None
+    strategy: str | None = None
+    lm_head: bool = False
+    embedding: bool = False
+
+    @classmethod
+    def of(cls, args: EngineArgs) -> QuantizationFlags:
+        return cls(args.quantization, args.quantization_strategy, args.quantize_lm_head, args.quantize_embedding)
 
 
 def _checkpoint_codes(ckpt: CheckpointQuantization) -> str:
@@ -71,12 +77,10 @@ def _checkpoint_block(ckpt: CheckpointQuantization) -> int | None:
 STORED_FIELDS = ("codes", "block_size", "lm_head", "embedding", "source")
 
 
-def stored_quantization(model_dir: str | Path | None) -> dict | None:
+def stored_layers(marker: dict) -> dict | None:
     """How a converted checkpoint stores its linear layers ({codes, block_size, lm_head, embedding, source,
-    float_activations}, from its marker); None for float layers or a Hugging Face directory."""
-    if model_dir is None or not checkpoint_format(model_dir):
-        return None
-    stored = checkpoint_marker(model_dir).get("linear_quantization")
+    float_activations}: its marker's entry, `describe_stored`); None for float layers."""
+    stored = marker.get("linear_quantization")
     # A marker written before --quantize-embedding has no key for it: its embedding is float.
     return None if stored is None else {"embedding": False, **stored}
 
@@ -86,7 +90,7 @@ QUANTIZED_BY_CONVERT = "quantized by `jaxserve convert`"
 
 
 def describe_stored(spec: LinearQuantization, float_activations: bool) -> dict:
-    """The marker entry for linear layers stored as `spec` (`stored_quantization` reads it back)."""
+    """The marker entry for linear layers stored as `spec` (`stored_layers` reads it back)."""
     entry = {name: getattr(spec, name) for name in STORED_FIELDS}
     return {**entry, "source": _stored_source(entry["source"]), "float_activations": float_activations}
 
@@ -123,7 +127,7 @@ def linear_quantization(requested: str | None, ckpt: CheckpointQuantization | No
                         stored: dict | None = None) -> LinearQuantization | None:
     """What the linear layers become. `requested`: `--quantization` (None: follow the checkpoint);
     `strategy`: `--quantization-strategy` (None: the backend's choice); `stored`: a converted checkpoint's
-    quantized layers (`stored_quantization`)."""
+    quantized layers (`stored_layers`)."""
     platform = (platform or jax.default_backend()).lower()
     spec = _linear_quantization(requested, ckpt, platform, stored)
     if spec is None or strategy is None:
@@ -164,37 +168,26 @@ def _linear_quantization(requested, ckpt, platform, stored=None) -> LinearQuanti
     return LinearQuantization(requested, None, strategy, min_rows, source=QUANTIZED_AT_LOAD)
 
 
-def quantized_loading(reader, config: ModelConfig, requested: str | None,
-                      ckpt: CheckpointQuantization | None = None, strategy: str | None = None,
-                      lm_head: bool = False, stored: dict | None = None, embedding: bool = False):
-    """(reader, config) for loading with `--quantization requested` from a checkpoint quantized as `ckpt`:
-    unchanged for float linear layers, else the config says how and the reader makes the layers.
-    `lm_head` (`--quantize-lm-head`) / `embedding` (`--quantize-embedding`): the LM head / the token
-    embedding too, quantized at load. `stored`: the layers of a converted checkpoint, already quantized
-    (`stored_quantization`): `reader` reads them."""
-    config = quantized_config(config, requested, ckpt, strategy, lm_head, stored, embedding)
-    spec = config.linear_quantization
-    if spec is None:
-        return reader, config
-    logger.info("%s: %s codes %s (%s), run %s%s", spec.quantized_parts, spec.codes, f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel",
-                spec.source, spec.strategy.replace("_", " "),
-                f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else "")
-    if stored is None:
-        reader = QuantizedLinearReader(reader, spec, ckpt)
-    return reader, config
-
-
-def quantized_config(config: ModelConfig, requested: str | None, ckpt: CheckpointQuantization | None = None,
-                     strategy: str | None = None, lm_head: bool = False, stored: dict | None = None,
-                     embedding: bool = False) -> ModelConfig:
-    """The model's config with these options' quantization (`quantized_loading`'s, without a reader: for an
-    abstract model, which reads no weights)."""
-    spec = linear_quantization(requested, ckpt, strategy=strategy, stored=stored)
-    if lm_head and not (stored and stored["lm_head"]):
-        spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, ckpt, config, stored)
-    if embedding and not (stored and stored["embedding"]):
-        spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, ckpt, config, stored)
+def quantized_config(config: ModelConfig, flags: QuantizationFlags, declared: CheckpointQuantization | None = None,
+                     stored: dict | None = None, platform: str | None = None) -> ModelConfig:
+    """The model's config with its linear layers as `flags` ask of a checkpoint whose config.json declares
+    `declared`, or that `convert` stored as `stored` (`Checkpoint.served_config`): unchanged for float
+    layers, else `linear_quantization` says what they become. `platform`: where the model will run, which
+    decides how quantized layers run (default: this process's backend)."""
+    spec = linear_quantization(flags.method, declared, platform, strategy=flags.strategy, stored=stored)
+    if flags.lm_head and not (stored and stored["lm_head"]):
+        spec = _with_part("--quantize-lm-head", "lm_head", "LM head", spec, declared, config, stored)
+    if flags.embedding and not (stored and stored["embedding"]):
+        spec = _with_part("--quantize-embedding", "embedding", "token embedding", spec, declared, config, stored)
     return config if spec is None else dataclasses.replace(config, linear_quantization=spec)
+
+
+def describe_linear_layers(spec: LinearQuantization) -> str:
+    """The startup log's line on quantized layers: what, how stored, from where, and how a step runs them."""
+    blocks = f"in blocks of {spec.block_size} input rows" if spec.block_size else "per output channel"
+    padded = f", batches padded to {spec.min_rows} rows" if spec.min_rows > 1 else ""
+    return (f"{spec.quantized_parts}: {spec.codes} codes {blocks} ({spec.source}), run "
+            f"{spec.strategy.replace('_', ' ')}{padded}")
 
 
 def _with_part(flag: str, field: str, part: str, spec: LinearQuantization | None,

@@ -195,12 +195,13 @@ def copy_transposed(out: np.ndarray, source: np.ndarray) -> None:
 class SafetensorsReader(RegionReader):
     """Regions of checkpoint tensors by NNX parameter path, from the memory-mapped files: Hugging Face
     tensors (copied, kernels transposed) or, with `own_layout`, a checkpoint in the model's own layout
-    (`jaxserve convert --format mapped`), whose tensors `in_place` hands out where they lie."""
+    (`jaxserve convert --format mapped`), whose tensors `in_place` hands out where they lie. `files`: each
+    tensor's file, where the caller has read them already (`formats.Checkpoint`)."""
 
-    def __init__(self, model_dir: str | Path, own_layout: bool = False):
+    def __init__(self, model_dir: str | Path, own_layout: bool = False, files: dict[str, Path] | None = None):
         self.model_dir = Path(model_dir)
         self.own_layout = own_layout
-        self.files = safetensors_files(self.model_dir)
+        self.files = safetensors_files(self.model_dir) if files is None else files
         self.aliases = {} if own_layout else language_model_names(list(self.files))
         if self.aliases:
             skipped = sum(1 for name in self.files if name.startswith(SKIPPED_PREFIXES))

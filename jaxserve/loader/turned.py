@@ -14,18 +14,16 @@ products"). So `jaxserve convert --format mapped` on a CPU stores them turned, a
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.loader.formats import checkpoint_marker
-from jaxserve.loader.placement import RegionReader, module_specs, param_specs
+from jaxserve.loader.abstract import AbstractModel
+from jaxserve.loader.placement import RegionReader
 from jaxserve.loader.tree import ParamPath
 from jaxserve.model.feature_major import FeatureMajorLinear, FusedProjections
 from jaxserve.model.quantized_linear import QuantizedLinear
-from jaxserve.model.registry import abstract_model
 
 FEATURE_MAJOR_LAYOUT = "feature-major"  # the marker's `linear_layout` (absent: the model's own layout)
 
@@ -50,10 +48,10 @@ class Part:
 
 def turned_parts(config: ModelConfig, dtype) -> dict[ParamPath, tuple[Part, ...]]:
     """Every parameter path of the turned model -> the parts of the model's own layout it is made of."""
-    own = {path: tuple(spec.shape) for path, spec in param_specs(config, dtype)}
-    turned = abstract_model(config, dtype, feature_major=True)
+    own = {path: tuple(spec.shape) for path, spec in AbstractModel(config, dtype).params}
+    turned = AbstractModel(config, dtype, feature_major=True)
     parts: dict[ParamPath, tuple[Part, ...]] = {}
-    for node_path, node in nnx.iter_graph(turned):
+    for node_path, node in nnx.iter_graph(turned.module):
         at = tuple(str(p) for p in node_path)
         if isinstance(node, FusedProjections):
             owner, starts = at[:-1], np.cumsum((0,) + node.sizes[:-1])
@@ -66,7 +64,7 @@ def turned_parts(config: ModelConfig, dtype) -> dict[ParamPath, tuple[Part, ...]
             parts[at + ("weight",)] = (Part(at + ("kernel",), own[at + ("kernel",)], 0, True),)
         elif isinstance(node, QuantizedLinear) and node.codes_out_in:
             parts[at + ("codes",)] = (Part(at + ("codes",), own[at + ("codes",)], 0, True),)
-    for path, spec in module_specs(turned):
+    for path, spec in turned.params:
         parts.setdefault(path, (Part(path, tuple(spec.shape)),))
     return parts
 
@@ -154,7 +152,3 @@ class UnturningReader(RegionReader):
     def close(self) -> None:
         self.base.close()
 
-
-def stored_turned(model_dir: str | Path | None) -> bool:
-    """Whether `convert` stored this directory's linear layers feature-major."""
-    return model_dir is not None and checkpoint_marker(model_dir).get("linear_layout") == FEATURE_MAJOR_LAYOUT

@@ -10,10 +10,11 @@
    array at every layer (16 layers of the 124.7M model's width decoded a token in 1.5 s against 28 ms,
    docs/performance.md), while a scan's carry is updated in place. The jitted steps take the cache
    donated and return the updated one. With `--kv-cache-dtype int8|fp8` the pages are `QuantizedPages`:
-   int8 / e4m3 codes of that shape plus float32 scales without head_dim, one per token and KV head
-   (`pallas_kernels/kv_quant.py`). Both are pytrees, so donation, sharding specs and the pipeline carry
-   treat the scales like the pages.
-2. `write_kv` scatters new tokens' K/V to flat slots (page * page_size + offset); padding tokens write to
+   int8 / e4m3 codes of that shape plus float32 scales, one per token and KV head, 128 to a row in slot
+   order (`pallas_kernels/kv_quant.py`). Both are pytrees, so donation, sharding specs and the pipeline
+   carry treat the scales like the pages.
+2. `write_kv` scatters new tokens' K/V to flat slots (page * page_size + offset), in the form the compiling
+   platform updates in place (`pallas_kernels/page_write.py`); padding tokens write to
    page 0 (of the layer's block), the reserved null page that nothing ever reads as real data. Quantized
    pages are written by `write_kv_quantized` (codes and scales at the same slots). Which page ids a
    sequence holds is decided on the host (`jaxserve/scheduling/pages.py`), the same for every layer; a
@@ -32,13 +33,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.quantization.kv_write import write_kv_quantized
+from pallas_kernels.kv_quant import scales_shape
+from pallas_kernels.page_write import write_token_rows
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantizedPages:
     codes: jax.Array  # [num_kv_heads, num_pages, page_size, head_dim] int8 | float8_e4m3fn
-    scales: jax.Array  # [num_kv_heads, num_pages, page_size] float32, one per token and KV head
+    scales: jax.Array  # [num_kv_heads, rows, 128] float32, one per token and KV head (`kv_quant.scales_shape`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,9 +65,12 @@ class KVCache:
         QuantizedPages of them); `folded`: one array of every layer's block (layers under `lax.scan`)."""
         if not folded:
             return cls([pages] * num_layers, [pages] * num_layers, num_layers=num_layers)
-        fold = lambda a: jax.ShapeDtypeStruct((a.shape[0], num_layers * a.shape[1], *a.shape[2:]), a.dtype,
-                                              sharding=a.sharding)
-        folded_pages = jax.tree.map(fold, pages)
+        like = lambda a, shape: jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
+        codes = pages.codes if isinstance(pages, QuantizedPages) else pages
+        kvh, num_pages, *rest = codes.shape
+        folded_pages = like(codes, (kvh, num_layers * num_pages, *rest))
+        if isinstance(pages, QuantizedPages):  # the scales of every layer's pages, lane-dense as one layer's
+            folded_pages = QuantizedPages(folded_pages, like(pages.scales, scales_shape(*folded_pages.shape[:3])))
         return cls(folded_pages, folded_pages, num_layers=num_layers)
 
     @property
@@ -103,14 +109,7 @@ def write_kv(k_pages, v_pages, k: jax.Array, v: jax.Array, write_index: jax.Arra
         k_codes, v_codes, k_scales, v_scales = write_kv_quantized(k_pages.codes, v_pages.codes, k_pages.scales,
                                                                   v_pages.scales, k, v, write_index)
         return QuantizedPages(k_codes, k_scales), QuantizedPages(v_codes, v_scales)
-    kvh, num_pages, page_size, head_dim = k_pages.shape
-
-    def scatter(pages, new):
-        flat = pages.reshape(kvh, num_pages * page_size, head_dim)
-        flat = flat.at[:, write_index].set(new.transpose(1, 0, 2).astype(pages.dtype))
-        return flat.reshape(pages.shape)
-
-    return scatter(k_pages, k), scatter(v_pages, v)
+    return write_token_rows(k_pages, write_index, k), write_token_rows(v_pages, write_index, v)
 
 
 def attention_operands(k_pages, v_pages) -> tuple[jax.Array, jax.Array, dict]:

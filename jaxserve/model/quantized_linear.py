@@ -13,15 +13,20 @@
 3. `project` is the product without the bias: under tensor parallelism a row-parallel layer's shards each
    quantize their own slice of x (its own row scale), rescale their partial product, and the all-reduce
    adds them (`parallel.row_parallel`); no collective is needed for the activation scales.
+4. A weight-only layer may carry a `KernelPlan` (`kernel`, set at start by jaxserve/engine/kernel_choice.py):
+   the row counts at which a Pallas kernel runs its product instead of XLA (jaxserve/model/linear_kernels.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import LinearQuantization
+from jaxserve.model.linear_kernels import KernelPlan, kernel_product
 from jaxserve.quantization import QuantizedWeight, quantized_linear
 
 CODE_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "uint4": jnp.uint4}
@@ -42,12 +47,16 @@ class QuantizedLinear(nnx.Module):
         self.min_rows = spec.min_rows
         self.act_block_size = activation_block(in_features, spec.act_block) if spec.strategy != "weight_only" else None
         self.codes_out_in = False  # codes [out, in] once jaxserve/model/feature_major.py turns them
+        self.kernel: KernelPlan | None = None  # weight-only: where a Pallas kernel runs the product (static)
 
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.codes[...], self.scales[...], None if self.zeros is None else self.zeros[...])
 
     def project(self, x: jax.Array) -> jax.Array:
         """x @ W, without the bias."""
+        rows = math.prod(x.shape[:-1])
+        if self.kernel is not None and self.strategy == "weight_only" and self.kernel.runs_kernel(rows):
+            return kernel_product(x, self.weight(), self.kernel.flavour, self.kernel.interpret)
         return quantized_linear(x, self.weight(), self.strategy, min_rows=self.min_rows,
                                 act_block_size=self.act_block_size, codes_out_in=self.codes_out_in)
 

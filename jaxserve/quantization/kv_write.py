@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.kv_quant import check_kv_scales, quantize_kv_tokens
+from pallas_kernels.page_write import write_token_rows
 
 
 def write_kv_quantized(k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array, v_scales: jax.Array,
@@ -23,14 +24,10 @@ def write_kv_quantized(k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Arr
     """k, v [N, KVH, D] (float) quantized per token and head into pages [KVH, P, S, D] (int8 or
     float8_e4m3fn) and scales [KVH, P, S] at flat slots write_index [N]; returns the four updated arrays."""
     check_kv_scales(k_pages, v_pages, k_scales, v_scales)
-    kvh, num_pages, page_size, head_dim = k_pages.shape
 
     def scatter(pages, scales, new):
         codes, token_scales = quantize_kv_tokens(new, pages.dtype)  # [N, KVH, D], [N, KVH]
-        flat = pages.reshape(kvh, num_pages * page_size, head_dim).at[:, write_index].set(codes.transpose(1, 0, 2))
-        flat_scales = scales.reshape(kvh, num_pages * page_size).at[:, write_index].set(
-            token_scales.T.astype(scales.dtype))
-        return flat.reshape(pages.shape), flat_scales.reshape(scales.shape)
+        return write_token_rows(pages, write_index, codes), write_token_rows(scales, write_index, token_scales)
 
     k_pages, k_scales = scatter(k_pages, k_scales, k)
     v_pages, v_scales = scatter(v_pages, v_scales, v)

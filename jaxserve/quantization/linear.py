@@ -10,7 +10,8 @@
    units of CPUs (VNNI) and TPUs (the MXU's int8 mode) run it at several times float32's rate.
 3. `dynamic_fp8`: the same with e4m3 activations and fp8 weights, accumulated in float32: Hopper's fp8
    tensor cores.
-`default_strategy` picks per platform and weight dtype, from the measurements in docs/quantization.md.
+`default_strategy` picks per platform and weight dtype, from the measurements in docs/quantization.md. A
+weight-only layer may run its product as a Pallas kernel instead (`QuantizedLinear.kernel`, chosen at start).
 A batch of one row can be padded to more (`min_rows`): the CPU's tuned integer GEMM starts at two rows.
 """
 
@@ -37,7 +38,10 @@ def default_strategy(platform: str, weight_dtype) -> str:
         # CPU weight-only runs at 0.15-0.5x float32: re-quantizing to int8 at load is the fast option).
         return "dynamic_fp8" if platform in ("gpu", "cuda") else "weight_only"
     if weight_dtype == _INT8:
-        return "dynamic_int8"  # VNNI / AMX on CPUs, the int8 MXU on TPUs, IMMA tensor cores on GPUs
+        # VNNI / AMX on CPUs, the int8 MXU on TPUs. On GPUs decode steps are bound by bytes, which both read
+        # alike: weight-only measured as fast or faster on an H200 and is more accurate, and there the engine
+        # may run its products as a Pallas kernel (jaxserve/engine/kernel_choice.py).
+        return "weight_only" if platform in ("gpu", "cuda") else "dynamic_int8"
     return "weight_only"  # 4-bit codes: their point is bytes (decode steps are bound by bytes on GPU and TPU)
 
 

@@ -1,14 +1,28 @@
 """A request's limits that depend on the model and the engine's fixed sizes, checked before anything is
-allocated: each failure is an `InvalidParameter` naming the parameter (a 400 from the server)."""
+allocated: each failure is an `InvalidParameter` naming the parameter (a 400 from the server).
+
+What passed them is a `CheckedRequest` (`Engine.check_request`), which `Engine.submit` queues as it is: a
+caller that checks every prompt of a request before it queues any (the HTTP server) checks each once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from jaxserve.config import ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+    """A generation request that passed `validate_request` and `validate_priority`, its adapter read."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    lora: object | None = None  # `jaxserve.lora.manager.ActiveLoRA`; None: the base model
 
 
 def validate_prompt(prompt_ids: Sequence[int], model: ModelConfig, scheduler: SchedulerConfig,

@@ -37,8 +37,7 @@ from jaxserve.config import ModelConfig, SpeculativeConfig
 from jaxserve.execution.batch import BatchLayout, StepBatch
 from jaxserve.execution.programs import abstract
 from jaxserve.execution.runner import LaunchedStep
-from jaxserve.loader.formats import open_checkpoint
-from jaxserve.loader.load import load_weights
+from jaxserve.loader.load import load_sharded
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.sampling.sampler import greedy
 from jaxserve.scheduling.pages import NULL_PAGE
@@ -90,8 +89,8 @@ class DraftModelProposer:
                              f"differs from the target's ({target.vocab_size}); it must share the tokenizer")
         plan = make_plan(ParallelConfig(1, 1), num_layers=draft_config.num_layers, num_heads=draft_config.num_heads,
                          num_kv_heads=draft_config.num_kv_heads, devices=[runner.plan.mesh.devices.flat[0]])
-        model = load_weights(open_checkpoint(config.model), draft_config, built.dtype, plan)
-        return cls(Path(config.model).resolve().name, model, draft_config, runner, built.attention,
+        model = load_sharded(config.model, draft_config, built.dtype, plan)  # its config: how it is stored
+        return cls(Path(config.model).resolve().name, model, model.config, runner, built.attention,
                    config.num_speculative_tokens)
 
     # ---- device side ------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ shipped inside the package (no CDN, no build step, nothing fetched from the netw
 2. Every URL the page uses is relative (`playground/app.js`, `v1/models`), so it works behind a reverse
    proxy that mounts the server under a prefix (`--root-path`): `/` and `/playground` both resolve them
    against the same directory.
-3. The page and its files are public even with `--api-key` (server/guards.py lists them): the page asks
-   for the key, keeps it in the tab (sessionStorage) and sends it as a Bearer token to the API routes.
+3. The page and its files are public even with `--api-key` (server/http/guards.py says where they live;
+   the routes here take their paths from it): the page asks for the key, keeps it in the tab
+   (sessionStorage) and sends it as a Bearer token to the API routes.
 4. The page answers with a Content-Security-Policy that allows scripts, styles and connections to this
    origin only; the scripts write model output with `textContent`, never as HTML.
 """
@@ -24,10 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from server.protocol import error_body
-
-PAGE_PATHS = ("/", "/playground")
-ASSET_PREFIX = "/playground/"  # where the page's files live; public, like the page (server/guards.py)
+from server.http.errors import error_body
+from server.http.guards import PLAYGROUND_FILES as ASSET_PREFIX  # where the page's files live
+from server.http.guards import PLAYGROUND_PAGES as PAGE_PATHS  # public, like the page's files
 
 _CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
                   ".js": "text/javascript; charset=utf-8"}

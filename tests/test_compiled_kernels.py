@@ -1,0 +1,82 @@
+"""Every attention-kernel variant the engine can choose, compiled for the chips it serves on, here.
+
+The engine calls one kernel per platform (Mosaic on a TPU, Triton on a GPU: `pallas_kernels/dispatch.py`)
+and each picks its tiles, key blocks and (on a GPU) its split of the keys from a step's static shape
+(`ragged_gpu.default_tiles`, `default_kv_splits`; `ragged_tpu`'s block_q). What varies between engines is
+the step shape (decode-shaped buckets of 16, 64 or 256 tokens, or buckets holding prefill chunks), the model
+(query dtype, head_dim, GQA group, Gemma's soft cap and sliding window) and the serve flags (page size, KV
+page dtype). The cases below cover every value of each at least once, and each is compiled for TPU v5e and
+v6e (libtpu: Mosaic's own checks, such as unaligned lane slices and VMEM limits, run only at compile) and
+for NVIDIA H100 and H200 (Triton to PTX to ptxas: shared memory limits, dtype casts). fp8 pages cannot
+compile for an A100 (sm80), which is why the engine refuses them there at start.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.dispatch import kernels_for_platform
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, scales_shape
+from sharding.chips import parse_target
+from sharding.compile_only import compile_devices, compile_options
+
+CONTEXT, NUM_PAGES, KV_HEADS = 8192, 2048, 2
+
+
+@functools.cache
+def _case(tokens, seqs, dtype, pages, page_size, head_dim, group, soft_cap=None, window=None):
+    return dict(tokens=tokens, seqs=seqs, dtype=dtype, pages=pages, page_size=page_size, head_dim=head_dim,
+                group=group, soft_cap=soft_cap, window=window)
+
+
+CASES = {
+    "decode16-bf16": _case(16, 16, jnp.bfloat16, "auto", 16, 128, 4),  # GPU: 16 key splits
+    "decode64-int8-group6": _case(64, 64, jnp.bfloat16, "int8", 16, 128, 6),  # 4 splits; a group not a power of 2
+    "decode256-f32-d64": _case(256, 256, jnp.float32, "auto", 16, 64, 2),  # a float32 model; 1 split
+    "prefill512-bf16": _case(512, 8, jnp.bfloat16, "auto", 16, 128, 4),  # prefill chunks: wide query tiles
+    "prefill256-fp8-d64-mha-page32": _case(256, 8, jnp.bfloat16, "fp8", 32, 64, 1),
+    "prefill256-gemma-d256-page64": _case(256, 8, jnp.bfloat16, "auto", 64, 256, 2, 50.0, 4096),
+}
+TARGETS = ["v5e-1", "v6e-1", "h100", "h200"]
+
+
+def _compile(case: dict, target_name: str):
+    target = parse_target(target_name)
+    device = compile_devices(target)[0]
+    backend = kernels_for_platform(target.platform)
+    c, shape = case, jax.ShapeDtypeStruct
+    page_dtype = KV_CACHE_DTYPES.get(c["pages"], c["dtype"])
+    pages = shape((KV_HEADS, NUM_PAGES, c["page_size"], c["head_dim"]), page_dtype)
+    scales = {} if c["pages"] == "auto" else {
+        "k_scales": shape(scales_shape(KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE),
+        "v_scales": shape(scales_shape(KV_HEADS, NUM_PAGES, c["page_size"]), SCALE_DTYPE)}
+    args = (shape((c["tokens"], KV_HEADS * c["group"], c["head_dim"]), c["dtype"]), pages, pages,
+            shape((c["seqs"],), jnp.int32), shape((c["seqs"], CONTEXT // c["page_size"]), jnp.int32),
+            shape((c["seqs"] + 1,), jnp.int32))
+    attend = functools.partial(backend.ragged, sm_scale=c["head_dim"] ** -0.5, soft_cap=c["soft_cap"],
+                               sliding_window=c["window"])
+    with jax.default_device(device):
+        return jax.jit(attend).lower(*args, **scales).compile(compile_options(target))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_variant_compiles_for_the_chip(case, target):
+    compiled = _compile(CASES[case], target)
+    text = compiled.as_text()
+    assert ("tpu_custom_call" in text) if target.startswith("v") else ("__gpu$xla.gpu.triton" in text)
+
+
+def test_fp8_pages_do_not_compile_for_an_a100_and_the_engine_refuses_them_at_start(tmp_path):
+    with pytest.raises(Exception, match="float8_e4m3fn"):
+        _compile(CASES["prefill256-fp8-d64-mha-page32"], "a100")
+    from jaxserve.engine.sizing import plan_target
+    from jaxserve.engine_args import EngineArgs
+    from tests.compile_targets import tiny_config, write_config
+    model = write_config(tmp_path / "tiny", tiny_config("llama"))
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8.*compute capability 8.0.*--kv-cache-dtype int8"):
+        plan_target(EngineArgs(model=str(model), kv_cache_dtype="fp8"), parse_target("a100"), programs="none")
