@@ -117,8 +117,9 @@ class LLM:
 
     def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int]]],
                                                                                 list]:
-        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt. A prompt
+        is text, token ids, or vLLM's dict forms: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
@@ -127,6 +128,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
         tokenizer = self.engine.tokenizer
+        prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]
         return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts], params
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -168,3 +170,26 @@ class LLM:
                                          prompt_logprobs=prompt_logprobs.get(request_id))
             results.append(result)
         return results
+
+
+def _prompt_of(prompt, index: int):
+    """A prompt's text or token ids, from any form `generate` and `embed` take; a dict of vLLM's shapes
+    (`TextPrompt`, `TokensPrompt`) gives its text or ids, and anything it does not serve is refused by name."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "multi_modal_data" in prompt:
+        raise ValueError(f"prompts[{index}] has multi_modal_data: this model takes text only")
+    unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+    if unknown:
+        raise ValueError(f"prompts[{index}] has unsupported keys {sorted(unknown)}: "
+                         "pass {'prompt': text} or {'prompt_token_ids': [ids]}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"prompts[{index}] needs exactly one of 'prompt' and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompts[{index}]['prompt'] must be a string")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of integers")
+    return list(ids)
