@@ -2,8 +2,9 @@
 """Generate golden fixtures for the vision-language families (issue 53): tiny random Gemma 3 and Qwen2.5-VL.
 
 Run with the golden venv (torch never goes into the project venv; recipe in golden_common.py, plus
-`pip install pillow`; torchvision is optional: without it transformers picks its PIL image processors,
-which are the ones jaxserve reproduces, and Qwen2.5-VL's processor is assembled without its video half):
+`pip install pillow`). The image processors are transformers' PIL ones (the ones jaxserve reproduces, asked
+for by name); Qwen2.5-VL's processor is used without its video half, whose video processor needs torchvision
+(the index has no torchvision wheel that runs on this CPU torch):
 
     .venv-golden/bin/python tools/make_vlm_fixtures.py [gemma3 | qwen2_5_vl ...]
 
