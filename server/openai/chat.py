@@ -134,7 +134,7 @@ async def chat_route(ctx: ServingContext, request: Request) -> Response:
             if body.include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage.as_dict()})
             yield "data: [DONE]\n\n"
-        return event_stream(events(), request_id_of(request))
+        return event_stream(events(), request_id_of(request), ctx.engine.if_never_read(results, places))
 
     finals: dict[int, CompletionOutput] = {}
     prompt_lps = None
