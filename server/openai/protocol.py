@@ -44,8 +44,7 @@ _UNSUPPORTED = {
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": (None, "vllm_xargs extensions are not supported"),
-    "mm_processor_kwargs": (None, "mm_processor_kwargs is not supported: images are processed as the checkpoint's "
-                                  "processor files say"),
+    "mm_processor_kwargs": (None, "mm_processor_kwargs is not supported (the checkpoint's processor files rule)"),
     "max_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "repetition_min_count": (0, "repetition-pattern stopping is not supported"),
@@ -303,15 +302,13 @@ class TextPart(BaseModel):
     text: str
 
 
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ImageURL(BaseModel):  # unknown keys are ignored (pydantic's default), as in the parts above
     url: str = Field(min_length=1)  # data:image/...;base64,..., http(s)://..., or file://... (--allowed-local-media-path)
     detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the checkpoint's processor decides the size
 
 
 class ImageURLPart(BaseModel):
     """An OpenAI image part: `{"type": "image_url", "image_url": {"url": ...}}` (vision models only)."""
-    model_config = ConfigDict(extra="ignore")
     type: Literal["image_url"]
     image_url: ImageURL
 
