@@ -140,3 +140,7 @@ def test_media_flags_as_vllm_spells_them(tmp_path):
             parse_mm_limits(bad)
     with pytest.raises(ValueError, match="not a directory"):
         EngineArgs(allowed_local_media_path=str(tmp_path / "missing"))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for flag in ("--allowed-local-media-path", "--allowed-media-domains", "--limit-mm-per-prompt",
+                 "--media-fetch-timeout", "--max-media-bytes"):
+        assert flag in readme, f"the README's Images paragraph does not name {flag}"
