@@ -88,7 +88,8 @@ def test_vllm_prompt_dicts_give_what_text_and_ids_give(stories_llm):
     assert stories_llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain[1]
     for bad, match in (({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"), ({}, "exactly one"),
                        ({"prompt_token_ids": "1 2"}, "list of integers"), ({"prompt": 5}, "must be a string"),
-                       ({"prompt": "a", "multi_modal_data": {"image": None}}, "text only"),
+                       ({"prompt": "a", "multi_modal_data": {"image": None}}, "takes no images"),
+                       ({"prompt": "a", "multi_modal_data": {"audio": None}}, "images only"),
                        ({"prompt": "a", "mm_processor_kwargs": {}}, "unsupported keys")):
         with pytest.raises(ValueError, match=match):
             stories_llm.generate(["Lily", bad], greedy)
