@@ -37,7 +37,7 @@ def _normalized(x: np.ndarray) -> np.ndarray:
 def test_auto_runner_pools_with_the_sentence_transformers_config(embed_llm):
     engine = embed_llm.engine
     assert engine.runner_type == "pooling"
-    assert (engine.pooler_config.pooling_type, engine.pooler_config.normalize) == ("LAST", True)
+    assert (engine.pooling.pooler_config.pooling_type, engine.pooling.pooler_config.normalize) == ("LAST", True)
     assert not engine.model_config.has_lm_head
 
 

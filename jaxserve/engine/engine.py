@@ -5,10 +5,10 @@
    takes prompts to embed the same way (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that
    the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
-   then, while the device runs it, reads the draws of the step before and hands them to
-   `update_from_output` (`jaxserve/scheduling/update.py`), the one place that advances requests. The
-   host thus prepares step N+1 while the device runs step N; a draw for a request that finished
-   meanwhile is discarded.
+   then, while the device runs it, reads the result of the step before and hands it to the host update of
+   the output head chosen at start (`execution/heads/`; the draw head's: `scheduling/update.py`), the one
+   place that advances requests. The host thus prepares step N+1 while the device runs step N; a result
+   for a request that finished meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
 4. Step times feed the scheduler's step-time model (`timing`: `step_timing.py`, `scheduling/step_cost.py`):
@@ -40,6 +40,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
+from jaxserve.execution.heads import head_for
 from jaxserve.execution.kv_budget import page_bytes
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
@@ -75,15 +76,14 @@ class Engine:
         self.sampler_config = built.sampler_config
         self.plan = built.model.plan
         self.runner_type = built.runner  # "generate" or "pooling"
-        self.pooler_config = built.pooler_config
         self.compile_events = CompileEvents()
         lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
         slots = None if lora_config is None else LoRASlots(built.model_config, lora_config.max_loras,
                                                            lora_config.max_lora_rank, built.dtype, self.plan)
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
-                                              built.sampler_config, self.compile_events,
-                                              pooling=built.runner == "pooling", lora=slots,
+                                              built.sampler_config, self.compile_events, lora=slots,
+                                              head=head_for(built.runner, built.sampler_config.max_logprobs),
                                               compiler_options=built.compiler_options,
                                               max_drafts=args.speculative_config.num_speculative_tokens
                                               if args.speculative_config else 0)
@@ -98,8 +98,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
         self.timing = StepTiming(self.runner, self.scheduler, self.speculator)
-        self.pooling = PoolingRequests(self.pooler_config, self.model_config, self.scheduler_config,
-                                       self.tracker.new_pooling_request, lambda c: self._inbox.put(("add", c)))
+        self.pooling = PoolingRequests(built.pooler_config, self.model_config, self.scheduler_config,
+                                       lambda requests: self._inbox.put(("add", requests)))
         self.compilations_at_warmup: int | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
         self.startup_seconds = {"weights": built.weights_seconds}
@@ -281,9 +281,9 @@ class Engine:
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        sampled = launched.sampled()
+        result = launched.read()
         self.timing.measure(launched)
-        return self.tracker.update_from_output(launched.step, sampled)
+        return self.runner.head.update(self.tracker, launched.step, result)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 from jaxserve.config import ModelConfig, SchedulerConfig
 from jaxserve.errors import InvalidParameter, WrongRunner
+from jaxserve.execution.heads.pool import pooled_request
 from jaxserve.pooling.config import PoolerConfig
 from jaxserve.pooling.params import PooledPrompt, PoolingParams
 from jaxserve.scheduling.validation import validate_prompt
@@ -32,14 +33,12 @@ class CheckedPooling:
 
 class PoolingRequests:
     def __init__(self, pooler_config: PoolerConfig | None, model_config: ModelConfig,
-                 scheduler_config: SchedulerConfig, new_request: Callable[..., list], queue: Callable[[list], None]):
+                 scheduler_config: SchedulerConfig, queue: Callable[[list], None]):
         """`pooler_config`: the model's pooling (None: the engine generates, and refuses embeddings);
-        `new_request(prompt_ids, pooling, request_id, prompt)`: the request the scheduler runs; `queue`
-        hands it to the engine's inbox."""
+        `queue(requests)` hands a checked request, as the scheduler runs it, to the engine's inbox."""
         self.pooler_config = pooler_config
         self.model_config = model_config
         self.scheduler_config = scheduler_config
-        self._new_request = new_request
         self._queue = queue
 
     def validate(self, prompt_ids: Sequence[int], params: PoolingParams) -> PooledPrompt:
@@ -63,7 +62,7 @@ class PoolingRequests:
         """Queue a checked pooling request (thread-safe): one `EmbeddingRequestOutput` comes out when its
         whole prompt has been through the steps. Returns the id."""
         request_id = request_id or uuid.uuid4().hex
-        self._queue(self._new_request(request.prompt_ids, request.pooling, request_id, prompt))
+        self._queue(pooled_request(request.prompt_ids, request.pooling, request_id, prompt))
         return request_id
 
     def add(self, prompt_ids: Sequence[int], params: PoolingParams | None = None, request_id: str | None = None,
