@@ -111,8 +111,8 @@ class LLM:
         encoded, pooling_params = self._encoded(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                                 PoolingParams, "pooling_params")
         for (_, ids), params in zip(encoded, pooling_params):  # everything checked before anything is queued
-            self.engine.validate_pooling(ids, params)
-        ids = [self.engine.add_pooling_request(ids, params, prompt=text)
+            self.engine.pooling.validate(ids, params)
+        ids = [self.engine.pooling.add(ids, params, prompt=text)
                for (text, ids), params in zip(encoded, pooling_params)]
         done: dict[str, EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Embedding", disable=not use_tqdm) as bar:

@@ -3,7 +3,7 @@ what it runs.
 
 1. `require_ready`: 503 while the model loads and compiles, and once the engine has failed.
 2. `check` and `check_pooling` are the engine's check of one prompt (`Engine.check_request`,
-   `Engine.check_pooling`: the limits that depend on the model and the engine's sizes; call them on a
+   `Engine.pooling.check`: the limits that depend on the model and the engine's sizes; call them on a
    worker thread, since a new grammar compiles there and an adapter is read). What the engine refuses is a
    400 naming the parameter. Handlers check every prompt of a request before they run any, and the engine
    queues what passed as it is: each prompt is checked once.
@@ -71,7 +71,7 @@ class EngineClient:
                       prompt_param: str = "input") -> CheckedPooling:
         """`prompt_param`: the request's name for its prompt, which the engine calls `prompt`."""
         try:
-            return self._async_engine.engine.check_pooling(prompt_ids, params)
+            return self._async_engine.engine.pooling.check(prompt_ids, params)
         except InvalidParameter as e:
             raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from None
 
