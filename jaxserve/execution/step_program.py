@@ -106,8 +106,9 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
     tokens = jnp.where(batch.from_prev >= 0, prev_samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
     num_tokens = layout.tokens
-    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right") - 1, 0,
-                            layout.seqs - 1)
+    # compare_all: no `while` loop, which would split a GPU step's command buffer (ragged_gpu.work_items).
+    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right",
+                                             method="compare_all") - 1, 0, layout.seqs - 1)
     sampler_state = record_tokens(sampler_state, batch.slots, batch.fresh, batch.slots[seq_of_token], tokens,
                                   batch.token_kind)
     m = num_microbatches(num_tokens, pp)
@@ -136,7 +137,7 @@ def _step_local(params, kv_cache: KVCache, sampler_state: SamplerState, prev_sam
     hidden = model.norm(hidden.reshape(num_tokens, -1))
     if pooling:  # prefill only: no LM head, nothing drawn
         return kv_cache, sampler_state, _pooled_results(hidden, batch, layout, num_samples, num_tokens, top), None
-    draws, sampler_state = draw(lambda h: model.logits(h, TP_AXES), hidden, batch, sampler_state, masks, layout,
+    draws, sampler_state = draw(lambda h: model.logits(h, TP_AXES, float32=False), hidden, batch, sampler_state, masks, layout,
                                 num_samples, top)
     targets = batch.prompt_target
     prompt_lp = _maybe_logprobs(jnp.any(targets >= 0), lambda: model.logits(hidden, TP_AXES),
