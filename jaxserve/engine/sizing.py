@@ -223,7 +223,7 @@ def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
     return StepPrograms.build(built.model, built.model_config, built.cache_config, built.scheduler_config,
                               built.attention, built.dtype, built.sampler_config, pooling=built.runner == "pooling",
                               lora_stack=lora, max_drafts=args.speculative_config.num_speculative_tokens
-                              if args.speculative_config else 0)
+                              if args.speculative_config else 0, compiler_options=built.compiler_options)
 
 
 def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:
