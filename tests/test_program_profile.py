@@ -287,7 +287,8 @@ def test_a_plain_draw_reads_the_logits_as_the_lm_head_wrote_them(compiled):
     target, r, _, _ = compiled
     logits = 4 * 512 * 2  # the draw rows (--max-num-seqs 4) x the tiny vocabulary, bf16
     after = [k for k in r["kernel_list"] if k["layer"] == "post"]
-    assert not [k["name"] for k in after if k["kind"] == "copy" and k["bytes_in"] >= logits]
+    # (A TPU's copies move other arrays, such as the sampler state, between HBM and VMEM.)
+    assert not [k["name"] for k in after if k["kind"] == "copy" and k["bytes_in"] in (logits, 2 * logits)]
     assert not [k["name"] for k in after if k["bytes_in"] == logits and k["bytes_out"] == 2 * logits]
     assert target != "h200" or [k["name"] for k in after if k["kind"] == "gemm" and k["bytes_out"] == logits]
 
