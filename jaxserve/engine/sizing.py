@@ -225,7 +225,7 @@ def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
                               built.attention, built.dtype, built.sampler_config,
                               head=head_for(built.runner, built.sampler_config.max_logprobs),
                               lora_stack=lora, max_drafts=args.speculative_config.num_speculative_tokens
-                              if args.speculative_config else 0)
+                              if args.speculative_config else 0, compiler_options=built.compiler_options)
 
 
 def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:

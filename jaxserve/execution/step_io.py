@@ -79,7 +79,8 @@ class OutputHead:
     def run(self, hidden: jax.Array, logits_fn: Callable, batch, state: StepState, inputs: StepInputs, layout,
             rows: int, tokens: jax.Array, seq_of_token: jax.Array) -> tuple[Any, jax.Array, Any]:
         """hidden [T, H] after the final norm -> (its new state, the samples the next step reads [rows],
-        its result). `logits_fn(hidden rows)`: the LM head's raw logits."""
+        its result). `logits_fn(hidden rows, float32=True)`: the LM head's raw logits, in float32 or (False)
+        in the head's own dtype."""
         raise NotImplementedError
 
     # ---- host, reading a step -------------------------------------------------------------------------

@@ -87,8 +87,9 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
     tokens = jnp.where(batch.from_prev >= 0, state.samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
     num_tokens = layout.tokens
-    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right") - 1, 0,
-                            layout.seqs - 1)
+    # compare_all: no `while` loop, which would split a GPU step's command buffer (ragged_gpu.work_items).
+    seq_of_token = jnp.clip(jnp.searchsorted(batch.cu_q_lens, jnp.arange(num_tokens), side="right",
+                                             method="compare_all") - 1, 0, layout.seqs - 1)
     m = num_microbatches(num_tokens, pp)
     size = num_tokens // m
     split = lambda a: a.reshape(m, size)
@@ -113,7 +114,7 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
 
     hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, state.kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
-    logits_fn = lambda h: model.logits(h, TP_AXES)
+    logits_fn = lambda h, float32=True: model.logits(h, TP_AXES, float32=float32)
     head_state, samples, result = layout.head.run(hidden, logits_fn, batch, state, inputs, layout, rows, tokens,
                                                   seq_of_token)
     logits = model.logits(hidden, TP_AXES) if with_logits else None

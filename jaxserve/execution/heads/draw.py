@@ -128,7 +128,9 @@ class DrawHead(OutputHead):
             rows: int, tokens, seq_of_token):
         sampler_state = record_tokens(state.head, batch.slots, batch.fresh, batch.slots[seq_of_token], tokens,
                                       batch.token_kind)
-        draws, sampler_state = draw(logits_fn, hidden, batch, sampler_state, inputs.masks, layout, rows, self.top)
+        # The draws take the LM head's logits in its own dtype (a plain draw samples from them as written).
+        draws, sampler_state = draw(lambda h: logits_fn(h, float32=False), hidden, batch, sampler_state, inputs.masks,
+                                    layout, rows, self.top)
         targets = batch.prompt_target
         prompt_lp = _maybe_logprobs(jnp.any(targets >= 0), lambda: logits_fn(hidden), jnp.maximum(targets, 0),
                                     self.top)
