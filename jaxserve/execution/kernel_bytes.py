@@ -5,7 +5,7 @@
    are) writes its rows and reads nothing of the buffer; an operand that is only gathered or sliced from
    (here or in a fusion nested in this one) gives the slices' bytes; an operand given twice is read once;
    arrays in another memory space (a TPU's VMEM or SMEM) are not HBM traffic.
-2. A KV pool (an entry parameter `kv_cache...`, [heads, pages, page size, ...]) handed to a custom call is
+2. A KV pool (an entry parameter `state.kv_cache...`, [heads, pages, page size, ...]) handed to a custom call is
    an attention kernel's: it reads `Assumptions.sequences x context` tokens of it, not the pool. Anything
    else that reads or writes a whole KV-pool-sized buffer, a copy above all, counts whole and is flagged.
 3. FLOPs of matrix products from each dot's (or convolution's) shapes, inside the fusions it runs too, and
@@ -74,7 +74,7 @@ class KernelMeter:
             leaf = re.fullmatch(r"param_leaves\[(\d+)\]", i.op_name) or re.match(r"param_leaves_(\d+)_", i.name)
             if leaf:
                 self.weight_of[i.name] = int(leaf.group(1))
-            elif (i.op_name or i.name).startswith("kv_cache"):
+            elif re.match(r"(state[._])?kv_cache", i.op_name or i.name):  # the step state's pools
                 (pool,) = arrays(i.shape)
                 self.pools[pool.dtype, pool.elements] = pool.dims[1] * pool.dims[2]
 
