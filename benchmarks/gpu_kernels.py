@@ -438,8 +438,8 @@ def main(argv=None) -> int:
         cell = lambda key, spec: format(r[key], spec) if key in r else ""
         print(f"{r['bench']:<22} {r['config']:<36} {cell('ms', '.3f'):>9} {cell('gbs', '.0f'):>7} "
               f"{cell('ratio', '.2f'):>6} {cell('tflops', '.1f'):>8} {cell('tok_s', '.0f'):>9}")
-    print("ratio: decode GB/s over the copy's (e2e: weights + KV read per step); mixed: one call over the sum of "
-          f"its two parts. {details['seconds']:.0f} s in all")
+    print("ratio: decode GB/s over the copy's (e2e: a step's least bytes, weights + KV read + written); mixed: one "
+          f"call over the sum of its two parts. {details['seconds']:.0f} s in all")
     return 1 if failed or errors else 0
 
 

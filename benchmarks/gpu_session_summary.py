@@ -139,6 +139,12 @@ def decisions(session: dict) -> list[tuple[str, str, str, str]]:
         lines.append(("verify step (K=4) vs one-token step, 1 seq", f"{ratio:.2f}x ({row['ms']:.2f} ms, "
                       f"{row.get('drafts_per_step', 0):.1f} drafts verified a step{device})",
                       f"<= {TARGETS['verify_ratio']}x", verdict(ratio <= TARGETS["verify_ratio"], row, base)))
+    idle = next((r for r in parts.get("spec8", {}).get("timings", []) if "idle_verify_ms" in r), None)
+    if idle:  # the same program with and without draft rows, whether or not the decode rows' drafts came
+        bucket = min(idle["idle_ms"], key=int)
+        lines.append((f"idle {bucket}-token step verifying a draft a sequence vs none (spec8)",
+                      f"{idle['idle_verify_ms'][bucket] / idle['idle_ms'][bucket]:.2f}x "
+                      f"({idle['idle_verify_ms'][bucket]:.2f} against {idle['idle_ms'][bucket]:.2f} ms)", "", ""))
     dense = decode_rows(parts.get("dense8a"))
     for n, row in sorted(decode_rows(parts.get("moe8")).items()):
         if n in dense:

@@ -267,6 +267,50 @@ def test_gpu_session_script_skips_the_parts_its_deadline_leaves_no_time_for(tmp_
     assert json.loads((tmp_path / "session.json").read_text())["parts"] == {}
 
 
+def test_gpu_session_summary_names_the_kernel_that_holds_a_missed_target(tmp_path):
+    """What a lease's table says from parts that ran on a GPU (stood-in rows with device profiles, which a CPU
+    dry run has none of): each target met or missed, the busiest kernel of a missed row or the one that grew
+    most over its baseline, and the parts' autotuning dumps merged into one file named for the chip, a dump
+    cut short reported rather than merged."""
+    summary = load("gpu_session_summary")
+
+    def decode(seqs, ms, ratio, kernels, **extra):
+        top = [[name, kernel_ms, 8.0] for name, kernel_ms in kernels]
+        profile = {"wall_ms": ms, "processes": {"/device:GPU:0": {"busy_ms": sum(k for _, k in kernels), "top": top}}}
+        return dict(bench="e2e decode", config="", seqs=seqs, ms=ms, ratio=ratio, profile=profile,
+                    device="/device:GPU:0", device_busy_ms=sum(k for _, k in kernels), busy_of_wall=0.9,
+                    device_ratio=ratio / 0.9, **extra)
+
+    parts = {"e2e8": [decode(1, 2.0, 0.62, [("gemm_fusion_dot.3", 0.9), ("ragged_attention", 0.2)]),
+                      decode(16, 3.0, 0.85, [("gemm_fusion_dot.3", 1.2)])],
+             "int8x": [decode(1, 1.0, 0.7, [("gemm_fusion_dot.9", 0.5)])],
+             "spec8": [decode(1, 2.2, 0.6, [("gemm_fusion_dot.3", 0.9), ("draft_logits", 0.3)], drafts_per_step=3.9)]}
+    work = tmp_path / "work"
+    for part, rows in parts.items():
+        (work / part).mkdir(parents=True)
+        (work / part / "gpu_kernels.json").write_text(json.dumps(dict(device="NVIDIA H200", timings=rows, checks=[])))
+    entry = 'results {\n  device: "CUDA: 9.0"\n  hlo: "%s"\n  result { gemm { algorithm: 1 } }\n}\n'
+    (work / "e2e8" / "autotune.txt").write_text("version: 3\n" + entry % "a" + entry % "b")
+    (work / "int8x" / "autotune.txt").write_text("version: 3\n" + entry % "b" + entry % "c")
+    (work / "spec8" / "autotune.txt").write_text("version: 3\n" + entry % "d" + "results {\n")  # cut short
+    out = tmp_path / "out"
+    out.mkdir()
+    assert summary.main([str(work), str(out), "--parts", "e2e8", "int8x", "int8p", "spec8"]) == 0
+    session = json.loads((out / "session.json").read_text())
+    assert list(session["parts"]) == ["e2e8", "int8x", "spec8"]
+    assert session["autotune"]["file"] == "autotune_h200.txt" and session["autotune"]["entries"] == 3
+    assert list(session["autotune"]["unreadable"]) == ["spec8"]
+    assert (out / "autotune_h200.txt").read_text().count("results {") == 3
+    table = summary.table(session, ["e2e8", "int8x", "int8p", "spec8"])
+    assert "no results from: int8p" in table
+    assert ("| bf16 step, 1 seq: least bytes / time, of copy | 0.62 (2.00 ms; device busy 1.10 ms = 0.90 of wall, "
+            "kernels at 0.69 of copy) | >= 0.80 | MISSED; holds it: gemm_fusion_dot.3, 0.900 ms a step |") in table
+    assert "| bf16 step, 16 seq: least bytes / time, of copy | 0.85 (3.00 ms; " in table and "| >= 0.80 | met |" in table
+    assert ("| int8 weight-only (XLA) vs bf16, 1 seq | 2.00x (1.00 ms) | >= 1.6x | met |") in table
+    assert ("| verify step (K=4) vs one-token step, 1 seq | 1.10x (2.20 ms, 3.9 drafts verified a step; device busy "
+            "1.09x) | <= 1.05x | MISSED; holds it: draft_logits, 0.300 ms a step (+0.300) |") in table
+
+
 def test_first_wave_benchmark_runs_on_stories260k(capsys, stories_dir):
     """Both engines (with and without the warm-up batches) serve the waves, and give the same tokens."""
     bench = load("first_wave")
