@@ -56,6 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "back): the GEMMs compile with the tiles and backend tuned there, not untuned defaults; "
                         f"GPU targets only (auto, the default: {AUTOTUNE_DIR.relative_to(ROOT)}/<chip>.txt where "
                         "the repository has one)")
+    p.add_argument("--autotune-complete", action="store_true",
+                   help="fail the compile where a GEMM fusion finds no entry in the results (XLA's "
+                        "xla_gpu_require_complete_aot_autotune_results): whether the file's keys (the GPU, the "
+                        "fusions, the XLA release) match this compile, which otherwise falls back to untuned tiles "
+                        "without a word")
     add_engine_args(p)
     p.set_defaults(model=str(DEFAULT_MODEL), max_num_seqs=16, max_model_len=2048)
     return p.parse_args(argv)
@@ -106,6 +111,10 @@ def run(a: argparse.Namespace) -> dict:
         load, results = autotune.load_option(tuned) if tuned else ({}, None)
     except autotune.AutotuneFileError as e:
         raise SystemExit(f"--autotune-results: {e}") from None
+    if a.autotune_complete:
+        if not tuned:
+            raise SystemExit("--autotune-complete: no autotuning results to hold the compile to (--autotune-results)")
+        load[autotune.REQUIRE_COMPLETE_OPTION] = True
     with tempfile.TemporaryDirectory(prefix="program_profile_") as scratch:
         given, a.model = a.model, model_dir(a, Path(scratch))
         args = default_parallel(engine_args_from(a), target)

@@ -15,7 +15,12 @@
    before a compile uses it: it must exist and hold entries, and `AutotuneResults.devices` says which keys
    it holds, for the caller to set beside its target's.
 4. XLA reads the file named by the compile option `xla_gpu_load_autotune_results_from` once per process:
-   later compiles of the process use what the first loaded, whatever file they name.
+   later compiles of the process use what the first loaded, whatever file they name. An entry whose key
+   does not match is not used, silently; with `xla_gpu_require_complete_aot_autotune_results` a compile
+   without the device fails on the first fusion that finds no entry ("No cached config found for HLO
+   instr"), which is how to tell that a file fits a compile. (XLA 0.12's compiler, checked here: it reads
+   a file as its newer `xla.autotuner.AutotuneCache` first, then as this legacy format, version 3, and a
+   compile without the device writes no results of its own.)
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 from pathlib import Path
 
 LOAD_OPTION = "xla_gpu_load_autotune_results_from"
+REQUIRE_COMPLETE_OPTION = "xla_gpu_require_complete_aot_autotune_results"  # a fusion without an entry fails
 DUMP_FLAG = "--xla_gpu_dump_autotune_results_to"
 _FIELD = re.compile(r'^\s*(device|hlo): "((?:[^"\\\n]|\\.)*)"', re.MULTILINE)
 _START = re.compile(r"(\w+)\s*(:\s*([^\s{]+)|\{)")  # `field: scalar` or `field {`

@@ -383,3 +383,6 @@ def test_the_h200_compile_loads_a_lease_s_autotune_results(compiled, tmp_path):
     assert [k["name"] for k in r["kernel_list"]] == [k["name"] for k in untuned["kernel_list"]]
     assert f"GEMM tiles: tuned on a device ({path}, 2 entries)" in bench.render(r, a)
     assert "GEMM tiles: XLA's untuned defaults" in bench.render(untuned, a)
+    # held to the file, the compile fails on the first fusion it has no entry for
+    with pytest.raises(Exception, match="No cached config found for HLO instr"):
+        bench.run(bench.parse_args(argv + ["--autotune-results", str(path), "--autotune-complete"]))
