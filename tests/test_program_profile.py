@@ -235,7 +235,7 @@ def compiled(request, tmp_path_factory):
     model = write_config(tmp_path_factory.mktemp("tiny") / "llama", tiny_config("llama"))
     bench = _bench()
     argv = ["--model", str(model), "--target", request.param, "--max-num-seqs", "4", "--max-model-len", "256",
-            "--context", "64", "--json"]
+            "--context", "64", "--autotune-results", "none", "--json"]  # untuned, whatever benchmarks/autotune holds
     return request.param, bench.run(bench.parse_args(argv)), bench, argv
 
 
