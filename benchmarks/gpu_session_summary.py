@@ -135,7 +135,7 @@ def decisions(session: dict) -> list[tuple[str, str, str, str]]:
         row, base = spec[1], bf16[1]
         ratio = row["ms"] / base["ms"]
         device = (f"; device busy {row['device_busy_ms'] / base['device_busy_ms']:.2f}x"
-                  if "device_busy_ms" in row and "device_busy_ms" in base else "")
+                  if row.get("device_busy_ms") and base.get("device_busy_ms") else "")
         lines.append(("verify step (K=4) vs one-token step, 1 seq", f"{ratio:.2f}x ({row['ms']:.2f} ms, "
                       f"{row.get('drafts_per_step', 0):.1f} drafts verified a step{device})",
                       f"<= {TARGETS['verify_ratio']}x", verdict(ratio <= TARGETS["verify_ratio"], row, base)))
