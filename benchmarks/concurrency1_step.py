@@ -64,14 +64,14 @@ def main() -> None:
 
     def probed_dispatch(*a, **kw):
         launched = dispatch(*a, **kw)
-        inline.append(launched.results.draws.last.is_ready())
+        inline.append(launched.result.draws.last.is_ready())
         return launched
     engine.runner.dispatch = probed_dispatch
     read = engine._read
 
     def timed_read(launched):
         start = time.perf_counter()
-        launched.sampled()  # cached by nothing: sampled() again below is a host copy of a ready array
+        launched.read()  # cached by nothing: read() again below is a host copy of a ready array
         times["wait for samples"].append(time.perf_counter() - start)
         return read(launched)
     engine._read = timed_read

@@ -9,9 +9,11 @@
 # - random: random token prompts of side_by_side.sh's lengths (64 tokens for stories260K, 128 for 124.7M).
 # 64 greedy output tokens with ignore_eos, concurrency 1, 4 and 16 (`jaxserve bench serve`, one call a level;
 # the draft acceptance and the steps drafting of each level are read from /metrics around it).
-# ROUNDS rounds (default 2), the two jaxserve servers in alternating order (off first in odd rounds, ngram
-# first in even ones), so a machine whose pace drifts favours neither. Each level is one JSON line in OUT;
-# the table of ngram / off per round and over all rounds comes last, and OUT's .summary.json holds it.
+# Both jaxserve servers are up side by side (an idle one sleeps); each level runs on one and then at once on
+# the other, the first of the pair alternating from level to level and from round to round, so that the two
+# runs of a ratio are seconds apart and a machine whose pace drifts favours neither. ROUNDS rounds (default 2).
+# Each level is one JSON line in OUT; the table of ngram / off per round and over all rounds comes last, and
+# OUT's .summary.json holds it.
 # The 124.7M model needs ../shared/peers/setup.sh to have run once (it also builds llama-server).
 #   benchmarks/speculative_vs_llama_cpp.sh [OUT.jsonl]
 #   env: MODELS="stories260K llama110m-random" WORKLOADS="retold grounded random" CONC=1,4,16 ROUNDS=2
@@ -23,9 +25,9 @@ PR=${PEERS_ROOT:-$HOME/.cache/jaxserve-peers}
 OUT=${1:-$PR/results/speculative-$(date +%Y%m%d-%H%M%S).jsonl}; mkdir -p "$(dirname "$OUT")"; : > "$OUT"
 LS=$PR/build-native/bin/llama-server
 MODELS=${MODELS:-stories260K llama110m-random}; WORKLOADS=${WORKLOADS:-retold grounded random}
-CONC=${CONC:-1,4,16}; ROUNDS=${ROUNDS:-2}; LLAMA_SERVER=${LLAMA_SERVER:-0}; PORT=8321; URL=http://127.0.0.1:$PORT
+CONC=${CONC:-1,4,16}; ROUNDS=${ROUNDS:-2}; LLAMA_SERVER=${LLAMA_SERVER:-0}; PORT=8321; URL=http://127.0.0.1:$PORT  # llama-server; jaxserve off / ngram: 8322 / 8323
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
-WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
+WORK=$(mktemp -d)
 mkdir -p "$PR/logs"
 if [ -z "${PY:-}" ]; then ./dev run true && PY=.venv/bin/python; fi  # .venv exists and is current
 JX="$PY -m jaxserve"
@@ -34,34 +36,37 @@ source benchmarks/lib.sh  # wait_health
 model_dir() { if [ "$1" = stories260K ]; then echo ../shared/models/stories260K; else echo "$PR/models/$1"; fi; }
 prompt_len() { if [ "$1" = stories260K ]; then echo 64; else echo 128; fi; }
 max_len() { if [ "$1" = stories260K ]; then echo 512; else echo 1024; fi; }  # stories260K: 512 positions
-# Requests per level: max(64, 16c) for stories260K (a level of a few seconds: shorter ones swing with the
+# Requests per level: max(128, 16c) for stories260K (a level of a few seconds: shorter ones swing with the
 # machine), max(8, 2c) for the 124.7M model.
 requests() { [ -n "${REQUESTS:-}" ] && { echo "$REQUESTS"; return; }
-  local per=2 least=8; [ "$1" = stories260K ] && per=16 least=64
+  local per=2 least=8; [ "$1" = stories260K ] && per=16 least=128
   echo $(( per * $2 > least ? per * $2 : least )); }
 
-spec_counters() { # drafted and accepted draft tokens, steps drafting or probing, all steps (0s without speculation)
-  curl -sf "$URL/metrics" | awk '/^jaxserve:spec_decode_num_draft_tokens_total/ {d=$2}
+spec_counters() { # URL: drafted and accepted draft tokens, steps drafting or probing, all steps (0s without speculation)
+  curl -sf "$1/metrics" | awk '/^jaxserve:spec_decode_num_draft_tokens_total/ {d=$2}
     /^jaxserve:spec_decode_num_accepted_tokens_total/ {a=$2}
     /^jaxserve:spec_decode_steps_total\{outcome="(drafting|probe)"\}/ {on+=$2}
     /^jaxserve:spec_decode_steps_total\{/ {all+=$2}
     END {printf "%d %d %d %d\n", d, a, on, all}'
 }
 
-load() { # model stack workload round: each level, one JSON line
-  local model=$1 stack=$2 kind=$3 round=$4 dir; dir=$(model_dir "$1")
-  for c in ${CONC//,/ }; do
+stack_url() { case $1 in jaxserve-off) echo http://127.0.0.1:8322 ;; jaxserve-ngram) echo http://127.0.0.1:8323 ;;
+  *) echo "$URL" ;; esac; }
+
+load() { # model stack workload round [concurrency levels]: each level, one JSON line
+  local model=$1 stack=$2 kind=$3 round=$4 dir url; dir=$(model_dir "$1"); url=$(stack_url "$2")
+  for c in ${5:-${CONC//,/ }}; do
     local n; n=$(requests "$model" "$c")
     local data=(--dataset-name jsonl --dataset-path "$WORK/$model-$kind.jsonl")
     if [ "$kind" = random ]; then
       data=(--dataset-name random --tokenizer "$dir" --random-input-len "$(prompt_len "$model")"
             --random-output-len 64 --random-prompt-form ids)
     fi
-    read -r d0 a0 on0 all0 < <(spec_counters)
-    $JX bench serve --base-url "$URL" --model m "${data[@]}" --num-prompts "$n" --max-concurrency "$c" \
+    read -r d0 a0 on0 all0 < <(spec_counters "$url")
+    $JX bench serve --base-url "$url" --model m "${data[@]}" --num-prompts "$n" --max-concurrency "$c" \
       --ignore-eos --temperature 0 --num-warmups 1 --no-progress --save-result "$WORK/level.json" > /dev/null \
       || return 1
-    read -r d1 a1 on1 all1 < <(spec_counters)
+    read -r d1 a1 on1 all1 < <(spec_counters "$url")
     "$PY" - "$WORK/level.json" "$model" "$stack" "$kind" "$c" "$round" "$((d1 - d0))" "$((a1 - a0))" \
       "$((on1 - on0))" "$((all1 - all0))" <<'PY' | tee -a "$OUT"
 import json, sys
@@ -75,12 +80,16 @@ PY
   done
 }
 
-serve_jaxserve() { # stack model: start it, wait until it is ready
-  local spec=(); [ "$1" = jaxserve-ngram ] && spec=(--speculative-config "$NGRAM")
+serve_jaxserve() { # stack model: start it and wait until it is ready; its pid in pids[stack]
+  local spec=() url; url=$(stack_url "$1"); [ "$1" = jaxserve-ngram ] && spec=(--speculative-config "$NGRAM")
   $JX serve --model "$(model_dir "$2")" --max-num-seqs 16 --max-model-len "$(max_len "$2")" --host 127.0.0.1 \
-    --port $PORT --served-model-name m --warmup full "${spec[@]}" > "$PR/logs/jaxserve-$1.log" 2>&1 &
-  pid=$!; wait_health "$URL" 900 $pid || { echo "server failed: see $PR/logs/jaxserve-$1.log" >&2; exit 1; }
+    --port "${url##*:}" --served-model-name m --warmup full "${spec[@]}" > "$PR/logs/$1-$2.log" 2>&1 &
+  pids[$1]=$!
+  wait_health "$url" 900 "${pids[$1]}" || { echo "server failed: see $PR/logs/$1-$2.log" >&2; exit 1; }
 }
+declare -A pids
+stop_servers() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done; pids=(); }
+trap 'stop_servers; rm -rf "$WORK"' EXIT
 
 for model in $MODELS; do
   dir=$(model_dir "$model")
@@ -98,14 +107,18 @@ for model in $MODELS; do
     for kind in $WORKLOADS; do load "$model" llama-server "$kind" 1; done
     kill $pid; wait $pid 2>/dev/null
   fi
+  serve_jaxserve jaxserve-off "$model"; serve_jaxserve jaxserve-ngram "$model"
   for round in $(seq 1 "$ROUNDS"); do
-    stacks="jaxserve-off jaxserve-ngram"; [ $((round % 2)) = 0 ] && stacks="jaxserve-ngram jaxserve-off"
-    for stack in $stacks; do
-      serve_jaxserve "$stack" "$model"
-      for kind in $WORKLOADS; do load "$model" "$stack" "$kind" "$round" || exit 1; done
-      kill $pid; wait $pid 2>/dev/null
+    pair=0  # a level's pair starts with off in odd rounds where the level before started with ngram
+    for kind in $WORKLOADS; do
+      for c in ${CONC//,/ }; do
+        stacks="jaxserve-off jaxserve-ngram"; [ $(((pair + round) % 2)) = 0 ] && stacks="jaxserve-ngram jaxserve-off"
+        for stack in $stacks; do load "$model" "$stack" "$kind" "$round" "$c" || exit 1; done
+        pair=$((pair + 1))
+      done
     done
   done
+  stop_servers
 done
 
 "$PY" benchmarks/speculative.py --summarize "$OUT"

@@ -6,8 +6,9 @@ assembly), `speculative` (draft proposers for speculative decoding), `scheduling
 cache, and `update_from_output`), `execution` (the device batch, the compiled step, the runner),
 `sampling` (sampling parameters, the sampler, logits processing, grammars) and `lora` (LoRA adapters: reading,
 device slots, the term the projections add), `model` and `loader`
-(model definitions, checkpoints onto the mesh), `text` (tokenizer, chat templates, detokenizer) and
-`bench`. Imports only point down this list (`tests/test_import_graph.py` checks it). `pooling` (the
+(model definitions, checkpoints onto the mesh), `multimodal` (images in requests: loading them with
+their guards, preprocessing as each checkpoint's processor does), `text` (tokenizer, chat templates,
+detokenizer) and `bench`. Imports only point down this list (`tests/test_import_graph.py` checks it). `pooling` (the
 pooling runner's config, in-step pooling and parameters) imports only leaf modules, so any room may use it.
 """
 

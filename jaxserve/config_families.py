@@ -16,6 +16,9 @@ from typing import Any
 SLIDING, FULL = "sliding_attention", "full_attention"
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 MOE_TYPES = ("qwen3_moe", "mixtral")
+# Vision-language checkpoints: their image processors (jaxserve/multimodal/) and encoders (jaxserve/model/).
+GEMMA3_VISION_TYPES = ("gemma3",)
+QWEN_VL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 
 # transformers' Gemma3TextConfig defaults: the text_config of multimodal Gemma 3 checkpoints on the hub
 # spells out only what differs from these (gemma-3-4b-it names 6 keys).

@@ -84,6 +84,15 @@ class EngineArgs:
     # vLLM's --speculative-config: JSON text or a dict, parsed into a SpeculativeConfig (see docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None
 
+    # Images in requests (vision-language checkpoints; jaxserve/multimodal/). vLLM's names: file:// URLs only
+    # under this directory (None: refused); hosts that http(s) image URLs may name, then also on private
+    # addresses (None: any host with only public addresses); images per prompt, {"image": N} or its JSON.
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+    limit_mm_per_prompt: dict | str | None = None
+    media_fetch_timeout: float = 10.0  # seconds for one image URL: resolving, connecting, redirects, body
+    max_media_bytes: int = 20 << 20  # bytes of one encoded image (fetched, read or base64-decoded)
+
     def __post_init__(self):
         self.model = resolve_model(self.model)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -115,6 +124,14 @@ class EngineArgs:
         validate_scheduling_options(self.scheduling_policy, self.target_itl_ms, self.long_prefill_token_threshold,
                                     self.max_num_partial_prefills, self.waiting_served_ratio)
         self.parallel  # validates the sizes now, not at model build time
+        self.limit_mm_per_prompt = parse_mm_limits(self.limit_mm_per_prompt)
+        if self.allowed_local_media_path is not None and not Path(self.allowed_local_media_path).is_dir():
+            raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a directory")
+        if self.allowed_media_domains is not None:
+            self.allowed_media_domains = tuple(self.allowed_media_domains)
+        if not self.media_fetch_timeout > 0 or self.max_media_bytes < 1:
+            raise ValueError(f"media_fetch_timeout and max_media_bytes must be positive, got "
+                             f"{self.media_fetch_timeout} and {self.max_media_bytes}")
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
@@ -130,6 +147,11 @@ class EngineArgs:
                                  "(tensor parallelism works)")
 
     @property
+    def image_limit(self) -> int:
+        """Images one prompt may carry (--limit-mm-per-prompt's "image")."""
+        return self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    @property
     def random_demo(self) -> bool:
         """Whether this is the random demo model (built in memory, no files)."""
         return is_random_demo(self.model)
@@ -143,6 +165,34 @@ class EngineArgs:
     def parallel(self) -> ParallelConfig:
         from sharding import ParallelConfig  # imports JAX: only once a model is built
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel)
+
+
+DEFAULT_IMAGES_PER_PROMPT = 16  # each image is a fetch and an encoder run: bounded unless the operator says
+MM_MODALITIES = ("image", "video", "audio")
+
+
+def parse_mm_limits(value) -> dict[str, int]:
+    """`--limit-mm-per-prompt` as vLLM takes it: '{"image": 4}' (JSON text or a dict; a modality's value may
+    also be {"count": N, ...}). Only images are served: a video or audio limit is accepted and has nothing
+    to limit."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--limit-mm-per-prompt {value!r} is not JSON (e.g. '{{\"image\": 4}}'): {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object such as {{\"image\": 4}}, got {value!r}")
+    limits = {}
+    for modality, limit in value.items():
+        count = limit.get("count") if isinstance(limit, dict) else limit
+        if modality not in MM_MODALITIES:
+            raise ValueError(f"--limit-mm-per-prompt: unknown modality {modality!r} (one of {', '.join(MM_MODALITIES)})")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality} must be a count >= 0, got {limit!r}")
+        limits[modality] = count
+    return limits
 
 
 def parse_lora_module(entry) -> tuple[str, str]:

@@ -10,6 +10,12 @@ class InvalidParameter(ValueError):
         self.param = param
 
 
+class InvalidMedia(InvalidParameter):
+    """An image in a request cannot be used: an unsupported URL scheme, a refused address or path, a fetch
+    that timed out or ran past the byte limit, too many pixels, or bytes that do not decode. `param` names
+    the field that carried it (`messages[0].content[1].image_url.url`): the server answers 400."""
+
+
 class WrongRunner(ValueError):
     """The request needs the other runner: embeddings from a generating model, or text from a pooling one."""
 

@@ -3,7 +3,8 @@
 1. The wrapper cuts each sequence's query rows into work items of up to `block_q` consecutive tokens of
    that sequence (a decode is one item, a 100-token chunk ceil(100 / block_q) items) and lists them with
    jnp: the item's sequence and its first flat row. The list has a static length, ceil(T / block_q) plus
-   one per sequence, enough for any batch of T tokens; entries past the real items have sequence -1.
+   one per sequence, enough for any batch of T tokens; entries past the real items have sequence -1 and
+   cover the padding rows (from cu_q_lens[-1] on), block_q rows each, which they zero.
 2. q is viewed as `[T_pad, KVH, G_pad, D]` (the GQA group padded to a power of 2, T to one spare tile). The
    grid is `(item, kv_head)`: a program loads its item's block_q tokens x G_pad heads as one
    `[block_q * G_pad, D]` matrix, so each K/V tile it reads serves a whole group of several tokens.
@@ -11,16 +12,19 @@
    time, from the first block the sliding window reaches to the block holding its last row's position
    (causal), gathering the pages straight from the cache, with an online softmax in float32.
 4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
-   sequence's rows, which another program owns). Padding rows (from cu_q_lens[-1] on) belong to no item;
-   the wrapper zeroes them.
+   sequence's rows, which another program owns). The output has exactly T rows, so the kernel's result is
+   the layer's, with no pass after it (issue 52: a step's kernels per layer).
 5. With `num_kv_splits` S > 1 the grid gains a third axis: each of an item's S programs folds a contiguous
-   share of its key blocks and stores its unnormalized sum with its running max and softmax sum, and
-   `merge_splits` rescales the S shares to a common max after the kernel (FlashDecoding's split-K). A decode
+   share of its key blocks and stores its unnormalized sum with its running max and softmax sum, and one
+   more kernel (`_merge_call`, a program per row and KV head) rescales the S shares to a common max and
+   zeroes the padding rows (FlashDecoding's split-K). A split that gets no key block stores no sum, and
+   the merge loads only the sums of splits that saw keys, so short contexts move no partial sums. A decode
    batch of few sequences otherwise runs one program per sequence and KV head, far fewer than the GPU's
    multiprocessors. S is an upper bound: a sequence uses only as many splits as give each at least
    `min_keys_per_split` keys (its other splits store an empty state), so short contexts are not split
    however large S is. Decode-shaped batches default to S = `default_kv_splits` (up to 16, fewer for
-   larger buckets so the partial outputs stay small); measured on an H200 (docs/performance.md), one
+   larger buckets so the partial outputs stay small, and none past what the page tables' longest context
+   can use); measured on an H200 (docs/performance.md), one
    sequence of 32768 keys took 1.128 ms unsplit and 0.136 / 0.108 ms with 16 / 32 splits.
 Quantized pages (int8 / fp8, `kv_quant.py`) are gathered as codes with their pages' scales (one more
 operand per KV head each for K and V: the lane-dense scales viewed as `[pages, page_size]` rows),
@@ -64,7 +68,7 @@ MIN_DOT_ROWS = 16  # Triton's tl.dot needs M, N, K >= 16
 PREFILL_ROWS = {2: 64, 4: 32}  # query rows (tokens x group) per program by q's bytes; see the module docstring
 KEYS_PER_BLOCK = 64  # keys per compute block by default (module docstring)
 MAX_DEFAULT_SPLITS = 16  # split-K default for decode-shaped batches of up to SPLIT_TOKEN_BUDGET // 16 tokens
-SPLIT_TOKEN_BUDGET = 256  # tokens x default splits: bounds the float32 partial outputs merge_splits reads
+SPLIT_TOKEN_BUDGET = 256  # tokens x default splits: bounds the float32 partial outputs the merge reads
 MIN_KEYS_PER_SPLIT = 1024  # a sequence splits its keys only into shares at least this long
 
 
@@ -82,18 +86,24 @@ def default_tiles(tokens: int, num_seqs: int, group_pad: int, itemsize: int) -> 
     return max(1, rows // group_pad), KEYS_PER_BLOCK
 
 
-def default_kv_splits(tokens: int, num_seqs: int, interpret: bool) -> int:
+def default_kv_splits(tokens: int, num_seqs: int, interpret: bool, max_keys: int | None = None,
+                      min_keys_per_split: int = MIN_KEYS_PER_SPLIT) -> int:
     """Split-K's upper bound when the caller names none: decode-shaped batches (no more tokens than
-    sequences) up to MAX_DEFAULT_SPLITS, fewer as the bucket grows (tokens x splits <= SPLIT_TOKEN_BUDGET);
-    batches holding prefill chunks have items enough and keep 1. Interpret mode (CPU tests) keeps 1: each
-    split is one more interpreted program, and the tests name their splits."""
+    sequences) up to MAX_DEFAULT_SPLITS, fewer as the bucket grows (tokens x splits <= SPLIT_TOKEN_BUDGET),
+    and no more than the longest context the page tables hold (`max_keys`) gives at `min_keys_per_split`
+    keys a split: an engine whose contexts are too short to split has no split programs, partial sums or
+    merge at all. Batches holding prefill chunks have items enough and keep 1. Interpret mode (CPU tests)
+    keeps 1: each split is one more interpreted program, and the tests name their splits."""
     if interpret or not decode_shaped(tokens, num_seqs):
         return 1
-    return max(1, min(MAX_DEFAULT_SPLITS, SPLIT_TOKEN_BUDGET // max(tokens, 1)))
+    splits = min(MAX_DEFAULT_SPLITS, SPLIT_TOKEN_BUDGET // max(tokens, 1))
+    if max_keys is not None:
+        splits = min(splits, max_keys // min_keys_per_split)
+    return max(1, splits)
 
 
 def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 past the real items
-                   item_row_ref,  # [num_items] int32: the item's first flat query row
+                   item_row_ref,  # [num_items] int32: the item's first flat query row (padding rows past them)
                    kv_lens_ref,  # [num_seqs] int32
                    cu_q_lens_ref,  # [num_seqs + 1] int32
                    page_tables_ref,  # [num_seqs * max_pages_padded] int32, flattened rows
@@ -101,8 +111,8 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
                    *refs,  # quantized pages: k_scales_ref, v_scales_ref [>= num_pages, page_size] float32; then
-                   #         o_ref [T_pad, group_pad, head_dim] (only this item's rows are written), or with
-                   #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T_pad, group_pad]
+                   #         o_ref [T, group_pad, head_dim] (only this item's rows are written), or with
+                   #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T, group_pad]
                    sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
                    pages_per_block: int, max_pages: int, precision, quantized: bool, num_splits: int,
                    min_blocks_per_split: int):
@@ -115,6 +125,15 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
     # Read here: interpret mode cannot lower program_id inside pl.when's branch.
     split = pl.program_id(2) if num_splits > 1 else 0
     seq = item_seq_ref[item]
+
+    if num_splits == 1:
+        @pl.when(seq < 0)
+        def _():  # an item past the real ones: zero its share of the padding rows (the merge does, with splits)
+            (o_ref,) = out_refs
+            tokens = item_row_ref[item] + jnp.arange(block_q, dtype=jnp.int32)
+            mask = lax.broadcast_in_dim(tokens < o_ref.shape[0], (block_q, group, head_dim), (0,))
+            plgpu.store(o_ref.at[pl.ds(item_row_ref[item], block_q)],
+                        jnp.zeros((block_q, group, head_dim), o_ref.dtype), mask=mask)
 
     @pl.when(seq >= 0)
     def _():
@@ -171,16 +190,18 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             (o_ref,) = out_refs
             out = (acc / jnp.where(l > 0, l, 1.0)).reshape(block_q, group, head_dim).astype(o_ref.dtype)
             plgpu.store(o_ref.at[here], out, mask=store_mask)
-        else:  # unnormalized, with the softmax state the wrapper merges the splits by
+        else:  # unnormalized, with the softmax state the merge weighs the splits by; no sum from an empty split
             acc_ref, m_ref, l_ref = out_refs
-            plgpu.store(acc_ref.at[here], acc.reshape(block_q, group, head_dim), mask=store_mask)
+            plgpu.store(acc_ref.at[here], acc.reshape(block_q, group, head_dim),
+                        mask=store_mask & (end_blk > start_blk))
             row_mask = lax.broadcast_in_dim(tokens < end_row, (block_q, group), (0,))
             plgpu.store(m_ref.at[here], m.reshape(block_q, group), mask=row_mask)
             plgpu.store(l_ref.at[here], l.reshape(block_q, group), mask=row_mask)
 
 
-def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, sm_scale, soft_cap, sliding_window,
-                 block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split, interpret):
+def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, tokens, max_pages, sm_scale, soft_cap,
+                 sliding_window, block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split,
+                 interpret):
     item_seq, item_row = items
     t_pad, num_kv_heads, group, head_dim = q4.shape
     k_pages, v_pages, k_scales, v_scales = kv
@@ -198,13 +219,15 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
     kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, *_: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, kv[-1].shape[1], page_size), lambda i, h, *_: (h, 0, 0))
     q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
+    out_rows = (tokens, num_kv_heads, group, head_dim)  # q's rows without the spare tile
     if num_splits == 1:
-        out_specs, out_shape = q_spec, jax.ShapeDtypeStruct(q4.shape, q4.dtype)
+        out_specs = pl.BlockSpec((tokens, None, group, head_dim), lambda i, h: (0, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct(out_rows, q4.dtype)
     else:
-        out_specs = (pl.BlockSpec((None, t_pad, None, group, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
-                     *[pl.BlockSpec((None, t_pad, None, group), lambda i, h, s: (s, 0, h, 0))] * 2)
-        out_shape = (jax.ShapeDtypeStruct((num_splits, *q4.shape), jnp.float32),
-                     *[jax.ShapeDtypeStruct((num_splits, *q4.shape[:3]), jnp.float32)] * 2)
+        out_specs = (pl.BlockSpec((None, tokens, None, group, head_dim), lambda i, h, s: (s, 0, h, 0, 0)),
+                     *[pl.BlockSpec((None, tokens, None, group), lambda i, h, s: (s, 0, h, 0))] * 2)
+        out_shape = (jax.ShapeDtypeStruct((num_splits, *out_rows), jnp.float32),
+                     *[jax.ShapeDtypeStruct((num_splits, *out_rows[:3]), jnp.float32)] * 2)
     return pl.pallas_call(
         kernel,
         grid=(item_seq.shape[0], num_kv_heads) + ((num_splits,) if num_splits > 1 else ()),
@@ -218,27 +241,58 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, max_pages, s
     )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, *kv)
 
 
-def merge_splits(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
-    """One output from the splits' partial softmax states: acc [S, ..., D] (unnormalized), running max m and
-    sum l [S, ...]. Each split's share is rescaled to the common max; a split that saw no key has l = 0."""
-    m_all = m.max(axis=0)
-    w = jnp.exp(m - m_all)  # [S, ...]
-    total = (w * l).sum(axis=0)
-    out = (w[..., None] * acc).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-    return out.astype(dtype)
+def _merge_kernel(real_rows_ref,  # [1] int32: cu_q_lens[-1], the first padding row
+                  acc_ref,  # [S, group_pad, head_dim] float32: this row's and KV head's unnormalized split sums
+                  m_ref,  # [S, group_pad] float32: each split's running max
+                  l_ref,  # [S, group_pad] float32: each split's softmax sum, 0 for a split that saw no key
+                  o_ref):  # [group_pad, head_dim]
+    # Each split's share is rescaled to the common max. A split that saw no key stored no sum (and a padding
+    # row's state is whatever the buffers held): only the sums of splits with l > 0 are loaded or weighed.
+    seen = l_ref[...] > 0
+    m = jnp.where(seen, m_ref[...], MASK_VALUE)
+    w = jnp.where(seen, jnp.exp(m - jnp.max(m, axis=0)[None]), 0.0)  # [S, group]
+    total = jnp.sum(jnp.where(seen, w * l_ref[...], 0.0), axis=0)
+    acc = plgpu.load(acc_ref, mask=lax.broadcast_in_dim(seen, acc_ref.shape, (0, 1)), other=0.0)
+    out = jnp.sum(w[:, :, None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    real = pl.program_id(0) < real_rows_ref[0]
+    o_ref[...] = jnp.where(real, out, 0.0).astype(o_ref.dtype)
+
+
+def _merge_call(acc: jax.Array, m: jax.Array, l: jax.Array, cu_q_lens: jax.Array, dtype, interpret: bool) -> jax.Array:
+    """[T, KVH, group_pad, D] in `dtype` from the splits' partial softmax states (acc [S, T, KVH, group_pad, D],
+    m and l [S, T, KVH, group_pad]): one program per row and KV head; padding rows come out as zeros."""
+    splits, tokens, num_kv_heads, group, head_dim = acc.shape
+    state = pl.BlockSpec((splits, None, None, group), lambda t, h: (0, t, h, 0))
+    return pl.pallas_call(
+        _merge_kernel,
+        grid=(tokens, num_kv_heads),
+        in_specs=[pl.BlockSpec((1,), lambda t, h: (0,)),
+                  pl.BlockSpec((splits, None, None, group, head_dim), lambda t, h: (0, t, h, 0, 0)), state, state],
+        out_specs=pl.BlockSpec((None, None, group, head_dim), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(acc.shape[1:], dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_merge",
+    )(cu_q_lens[-1:], acc, m, l)
 
 
 def work_items(cu_q_lens: jax.Array, block_q: int, num_items: int) -> tuple[jax.Array, jax.Array]:
     """(sequence, first row) of each block_q-token piece of each sequence's rows, [num_items] each;
-    sequence -1 (and row 0) past the real pieces. Sequences without rows get no item."""
+    past the real pieces, sequence -1 and the padding rows block_q by block_q (from cu_q_lens[-1] on; there
+    are items enough for all of them). Sequences without rows get no item."""
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     pieces = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(pieces)
     i = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right"), q_lens.shape[0] - 1).astype(jnp.int32)
+    # Compare-and-count, not searchsorted's default binary search: that compiles to a `while` loop, which
+    # XLA:GPU's command buffers (CUDA graphs) do not take, so it split the step's graph and its ~26 kernels
+    # were launched from the host one by one (issue 52). The arrays are small: items x sequences compares.
+    seq = jnp.minimum(jnp.searchsorted(ends, i, side="right", method="compare_all"),
+                      q_lens.shape[0] - 1).astype(jnp.int32)
     row = cu_q_lens[seq] + (i - (ends[seq] - pieces[seq])) * block_q
     real = i < ends[-1]
-    return jnp.where(real, seq, -1), jnp.where(real, row, 0).astype(jnp.int32)
+    padding_row = cu_q_lens[-1] + (i - ends[-1]) * block_q
+    return jnp.where(real, seq, -1), jnp.where(real, row, padding_row).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sliding_window", "block_q",
@@ -261,7 +315,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       pages_per_compute_block: pages per key block (default: `default_tiles`' keys; at least 16 keys).
       num_warps, num_stages: Triton launch options (num_warps default: 8 for >= 128 rows, else 4).
       num_kv_splits: at most this many programs per item and KV head, each folding a contiguous share of the
-        key blocks, merged after the kernel (`merge_splits`): more programs in flight when a batch has few
+        key blocks, merged by one more kernel (`_merge_call`): more programs in flight when a batch has few
         items and long contexts (FlashDecoding's split-K). Default: `default_kv_splits`.
       min_keys_per_split: a sequence uses only as many of the splits as give each at least this many keys.
       interpret: run in Pallas interpret mode (CPU testing).
@@ -291,7 +345,8 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if num_warps is None:
         num_warps = 8 if block_q * group_pad >= 128 else 4
     if num_kv_splits is None:
-        num_kv_splits = default_kv_splits(tokens, num_seqs, interpret)
+        num_kv_splits = default_kv_splits(tokens, num_seqs, interpret, page_tables.shape[1] * page_size,
+                                          min_keys_per_split)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
 
@@ -303,13 +358,11 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     tables = pad_page_table(page_tables, ppb)
     split_blocks = max(1, -(-min_keys_per_split // (ppb * page_size)))  # blocks per split, at least
     out = _ragged_call(work_items(cu_q_lens, block_q, num_items), kv_lens, cu_q_lens, tables.reshape(-1), q4,
-                       (k_pages, v_pages, k_scales, v_scales), max_pages=tables.shape[1], sm_scale=float(sm_scale),
+                       (k_pages, v_pages, k_scales, v_scales), tokens=tokens, max_pages=tables.shape[1],
+                       sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,
                        num_splits=num_kv_splits, min_blocks_per_split=split_blocks, interpret=interpret)
     if num_kv_splits > 1:
-        out = merge_splits(*out, q.dtype)
-    out = out[:tokens, :, :group].reshape(tokens, num_heads, head_dim)
-    # No program writes padding rows: whatever the output buffer held there is replaced by zeros.
-    real = jnp.arange(tokens) < cu_q_lens[-1]
-    return jnp.where(real[:, None, None], out, jnp.zeros((), out.dtype))
+        out = _merge_call(*out, cu_q_lens, q.dtype, interpret)
+    return out[:, :, :group].reshape(tokens, num_heads, head_dim)  # a free reshape when group is a power of 2

@@ -73,6 +73,7 @@ def running_server(args: EngineArgs, ready_timeout: float = 300, options: Server
         wait_healthy(base, ready_timeout)
         running = Running((base, async_engine))
         running.context = app.state.context
+        running.app = app
         yield running
     finally:
         server.should_exit = True

@@ -34,7 +34,7 @@ def _case(tokens, seqs, dtype, pages, page_size, head_dim, group, soft_cap=None,
 
 
 CASES = {
-    "decode16-bf16": _case(16, 16, jnp.bfloat16, "auto", 16, 128, 4),  # GPU: 16 key splits
+    "decode16-bf16": _case(16, 16, jnp.bfloat16, "auto", 16, 128, 4),  # GPU: 8 key splits (8192 keys / 1024)
     "decode64-int8-group6": _case(64, 64, jnp.bfloat16, "int8", 16, 128, 6),  # 4 splits; a group not a power of 2
     "decode256-f32-d64": _case(256, 256, jnp.float32, "auto", 16, 64, 2),  # a float32 model; 1 split
     "prefill512-bf16": _case(512, 8, jnp.bfloat16, "auto", 16, 128, 4),  # prefill chunks: wide query tiles

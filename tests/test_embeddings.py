@@ -37,7 +37,7 @@ def _normalized(x: np.ndarray) -> np.ndarray:
 def test_auto_runner_pools_with_the_sentence_transformers_config(embed_llm):
     engine = embed_llm.engine
     assert engine.runner_type == "pooling"
-    assert (engine.pooler_config.pooling_type, engine.pooler_config.normalize) == ("LAST", True)
+    assert (engine.pooling.pooler_config.pooling_type, engine.pooling.pooler_config.normalize) == ("LAST", True)
     assert not engine.model_config.has_lm_head
 
 
@@ -97,7 +97,7 @@ def test_bad_requests_are_refused_before_anything_runs(embed_llm):
 
 def test_an_aborted_embedding_frees_everything(embed_llm):
     engine = embed_llm.engine
-    request_id = engine.add_pooling_request(golden_prompts()[3])  # 40 tokens: three steps
+    request_id = engine.pooling.add(golden_prompts()[3])  # 40 tokens: three steps
     outputs = engine.step()
     engine.abort(request_id)
     while engine.has_unfinished():
@@ -112,7 +112,7 @@ def test_generate_runner_refuses_embeddings():
     engine = Engine(EngineArgs(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32))  # the default, no warm-up
     assert engine.runner_type == "generate"
     with pytest.raises(WrongRunner, match="--runner pooling"):
-        engine.add_pooling_request([3, 4, 5])
+        engine.pooling.add([3, 4, 5])
 
 
 # ---- configuration (no engine) ---------------------------------------------------------------------------

@@ -139,12 +139,12 @@ def test_each_input_is_checked_once_before_any_is_queued(server, monkeypatch):
     """Every input is checked by the engine before any is queued, and queued as checked: once each."""
     base, async_engine = server
     engine = async_engine.engine
-    checked, validate = [], engine.validate_pooling
+    checked, validate = [], engine.pooling.validate
 
     def counted(prompt_ids, params):
         checked.append(list(prompt_ids))
         return validate(prompt_ids, params)
-    monkeypatch.setattr(engine, "validate_pooling", counted)
+    monkeypatch.setattr(engine.pooling, "validate", counted)
     assert httpx.post(f"{base}/v1/embeddings", json={"input": [[3, 4], [5, 6]]}).status_code == 200
     assert checked == [[3, 4], [5, 6]]
     checked.clear()

@@ -22,7 +22,7 @@ class FakeLaunched:
     def __init__(self, step, samples):
         self.step, self.samples = step, samples
 
-    def sampled(self):
+    def read(self):
         return SampledTokens.one_per_row(self.samples, self.step)
 
 
@@ -90,7 +90,8 @@ def make_engine(stories_dir):
         engine = Engine(EngineArgs(model=str(stories_dir), max_num_seqs=max_num_seqs, page_size=4,
                                    num_pages=num_pages, max_model_len=max_model_len,
                                    max_num_batched_tokens=budget, **kw))
-        engine.runner = FakeRunner(scripts, engine.tracker.requests, engine.scheduler.allocator)
+        fake = FakeRunner(scripts, engine.tracker.requests, engine.scheduler.allocator)
+        fake.head, engine.runner = engine.runner.head, fake  # the draw head, whose update is update_from_output
         engine.runner.step_token_limit = budget  # every step program "compiled"
         return engine
     return make
@@ -282,7 +283,7 @@ def test_compile_counter_sees_a_program_warm_up_did_not_build(stories_dir, no_pr
     engine.warmup()
     assert engine.compile_events.lowered_in_warmup > 0  # warm-up's own lowerings are counted apart
     before = engine.compilations_since_warmup
-    engine.runner.launch(StepPlan([], 1), with_logits=True).sampled()  # a variant warm-up did not build
+    engine.runner.launch(StepPlan([], 1), with_logits=True).read()  # a variant warm-up did not build
     assert engine.compilations_since_warmup > before
 
 

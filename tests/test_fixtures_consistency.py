@@ -203,3 +203,25 @@ def test_embedding_fixture():
     for key in ("last_token", "mean"):
         norms = np.linalg.norm(g[key], axis=-1, keepdims=True)
         np.testing.assert_allclose(g[f"{key}_normalized"], g[key] / norms, atol=1e-6, rtol=0)
+
+
+VLM = ROOT / "vlm"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_vlm_golden(family):
+    """Each conversation's greedy tokens are its logits' argmax, its image-token runs match its images'
+    token counts, and the vision tower's weights are in the checkpoint beside the language model's."""
+    cfg = load_config(VLM / family / "config.json")
+    g = dict(np.load(VLM / family / "golden.npz"))
+    image_token = cfg["image_token_index"] if family == "gemma3" else cfg["image_token_id"]
+    for case in ("text_only", "one_image", "two_images", "second_turn"):
+        ids, greedy, logits = g[f"{case}.input_ids"], g[f"{case}.greedy"], g[f"{case}.logits"]
+        assert logits.shape == (len(ids) + len(greedy), cfg["text_config"]["vocab_size"])
+        np.testing.assert_array_equal(logits[len(ids) - 1:-1].argmax(-1), greedy)
+        np.testing.assert_array_equal(g[f"{case}.token_type_ids"], (ids == image_token).astype(np.int32))
+        tokens = [len(g[f"image{i}.embeddings"]) for i in g[f"{case}.images"]]
+        assert int((ids == image_token).sum()) == sum(tokens)
+    names = header(VLM / family / "model.safetensors")
+    vision = [n for n in names if "vision_tower" in n or "visual" in n]
+    assert vision and any(n.endswith("embed_tokens.weight") for n in names)

@@ -346,3 +346,63 @@ def test_openapi_describes_the_routes_from_the_request_models(server):
     schema = doc["components"]["schemas"]["CompletionRequest"]
     top_k = schema["properties"]["top_k"]["anyOf"][0]  # an integer, or null for the server's default
     assert top_k["maximum"] == 2**31 - 1 and "prompt" in schema["required"]
+
+
+STREAMED = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "stream": True}),
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 32, "stream": True}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 32, "stream": True}),
+]
+
+
+def _wait_idle(server) -> None:
+    scheduler = server[1].engine.scheduler
+    deadline = time.monotonic() + 30
+    while (server.context.admission.in_flight or scheduler.running or scheduler.waiting) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.context.admission.in_flight == 0
+    assert not scheduler.running and not scheduler.waiting
+    assert_pages_released(scheduler)
+
+
+@pytest.mark.parametrize("route, body", STREAMED)
+def test_streams_abandoned_at_their_first_chunk_give_their_places_back(server, baseline, route, body):
+    for _ in range(6):
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server[0]}{route}", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_raw())  # the first chunk, then hang up
+    _wait_idle(server)
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("route, body", STREAMED)
+def test_a_stream_whose_client_left_before_the_first_byte_gives_its_places_back(server, baseline, route, body):
+    """The client's disconnect is read before the body starts (a client that timed out while its prompt was
+    tokenized, and a server whose `send` yields, as under flow control or another ASGI server): Starlette
+    cancels the body before its first step, so the engine stream, never read, cannot give the places back
+    itself; the response does. Driven through the app in process, where the order is certain."""
+    payload = json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        await asyncio.sleep(0)  # a send that yields to the event loop
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": route, "raw_path": route.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                                          (b"content-length", str(len(payload)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    for _ in range(3):
+        sent.clear()
+        asyncio.run(server.app(scope, receive, send))
+        messages[:] = [{"type": "http.request", "body": payload, "more_body": False}]
+        assert not any(m["type"] == "http.response.body" and m.get("body") for m in sent)  # no byte went out
+    assert server.context.admission.in_flight == 0
+    _wait_idle(server)
+    assert_still_serving(server, baseline)

@@ -20,7 +20,8 @@ ENGINE_PACKAGES = ("jaxserve", "pallas_kernels", "sharding")
 # jaxserve's rooms from the top down; a room may import rooms on lower levels (and itself), never higher
 # or level with it. Top-level modules of jaxserve not named here are leaves (level 0): config.py, ...
 ROOM_LEVELS = {"__init__": 10, "__main__": 10, "bench": 9, "entrypoints": 8, "engine": 7, "speculative": 6.5,
-               "execution": 6, "loader": 5, "model": 4, "scheduling": 4, "sampling": 3, "lora": 3, "text": 2}
+               "execution": 6, "loader": 5, "model": 4, "scheduling": 4, "sampling": 3, "lora": 3, "multimodal": 2.5,
+               "text": 2}
 # server's rooms and top-level modules the same way: the command line and the process on top, the app that
 # assembles the routes, the endpoints, the context the handlers are given, the playground's page, HTTP
 # plumbing, the server's options, and reading a model's replies at the bottom.

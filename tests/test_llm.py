@@ -76,6 +76,26 @@ def test_many_prompts_batch_continuously_and_keep_order(stories_llm):
     assert [o.outputs[0].token_ids for o in together] == alone
 
 
+def test_vllm_prompt_dicts_give_what_text_and_ids_give(stories_llm):
+    """vLLM's `TextPrompt` and `TokensPrompt` dicts, alone or in a list with plain prompts, as their text or
+    ids give; a dict the engine cannot serve is refused by name before anything is queued."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    ids = stories_llm.get_tokenizer().encode("The cat")
+    plain = [o.outputs[0].token_ids for o in stories_llm.generate(["Lily", ids], greedy)]
+    as_dicts = stories_llm.generate([{"prompt": "Lily"}, {"prompt_token_ids": ids}], greedy)
+    assert [o.outputs[0].token_ids for o in as_dicts] == plain
+    assert as_dicts[1].prompt_token_ids == ids and as_dicts[0].prompt == "Lily"
+    assert stories_llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == plain[1]
+    for bad, match in (({"prompt": "a", "prompt_token_ids": [1]}, "exactly one"), ({}, "exactly one"),
+                       ({"prompt_token_ids": "1 2"}, "list of integers"), ({"prompt": 5}, "must be a string"),
+                       ({"prompt": "a", "multi_modal_data": {"image": None}}, "takes no images"),
+                       ({"prompt": "a", "multi_modal_data": {"audio": None}}, "images only"),
+                       ({"prompt": "a", "mm_processor_kwargs": {}}, "unsupported keys")):
+        with pytest.raises(ValueError, match=match):
+            stories_llm.generate(["Lily", bad], greedy)
+    assert not stories_llm.engine.has_unfinished()
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(stories_llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=1234, max_tokens=30)
     alone = stories_llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.execution.batch import BatchBuilder, BatchLayout, StepBatch
+from jaxserve.execution.heads.draw import DrawHead
 from jaxserve.packing import Packing, packed, per_seq, per_token
 from jaxserve.sampling.params import ADD_BIAS, ALLOWED, SamplingParams
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
@@ -65,7 +66,7 @@ def test_a_new_per_sequence_field_is_one_declaration():
 
 
 def test_the_builder_fills_the_batch_from_a_plain_step():
-    layout = BatchLayout(tokens=8, seqs=2, max_pages=4, bias_entries=3, scratch_slot=2)
+    layout = BatchLayout(tokens=8, seqs=2, max_pages=4, bias_entries=3, scratch_slot=2, head=DrawHead(top=2))
     builder = BatchBuilder(max_num_seqs=2, max_pages=4, page_size=4)
     penalised = SamplingParams(temperature=0.5, top_k=3, seed=9, logprobs=2, presence_penalty=0.5,
                                logit_bias={7: 2.0}, allowed_token_ids=[7, 8], max_tokens=None)

@@ -401,9 +401,12 @@ def test_triton_default_tiles_follow_the_batch_shape():
 
 def test_triton_default_kv_splits_follow_the_bucket():
     """Split-K by default only in decode-shaped batches, up to 16 splits, fewer as the bucket grows (tokens
-    x splits <= 256, which bounds the float32 partial outputs); prefill-shaped batches and interpret mode
-    keep one."""
+    x splits <= 256, which bounds the float32 partial outputs) and as the longest context shrinks;
+    prefill-shaped batches and interpret mode keep one."""
     splits = ragged_gpu.default_kv_splits
     assert [splits(t, 256, interpret=False) for t in (1, 16, 32, 64, 128, 256)] == [16, 16, 8, 4, 2, 1]
     assert splits(2048, 64, interpret=False) == 1  # holds prefill chunks
     assert splits(16, 16, interpret=True) == 1
+    # No more splits than the page tables' longest context gives at min_keys_per_split keys each.
+    assert [splits(16, 16, interpret=False, max_keys=k) for k in (512, 1024, 2048, 8192, 32768)] == [1, 1, 2, 8, 16]
+    assert splits(16, 16, interpret=False, max_keys=2048, min_keys_per_split=256) == 8

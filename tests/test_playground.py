@@ -15,6 +15,7 @@ JAXSERVE_UPDATE_SCREENSHOT=1 also writes the README's docs/images/playground.png
 from __future__ import annotations
 
 import asyncio
+import base64
 import fnmatch
 import json
 import os
@@ -338,6 +339,7 @@ def test_text_is_shown_as_text_and_the_conversation_survives_a_reload(session):
     session.wait_answered()
     assert session.page.locator("#transcript article[data-role=user] .content").inner_text() == hostile
     assert session.page.locator("#transcript img, #transcript b").count() == 0
+    assert session.page.is_hidden("#image-controls")  # stories260K reads text only: no image control
     session.settings(max_tokens=200)
     session.send("second line\nthird line")  # Shift+Enter would have made the newline; fill types it
     session.wait_answered()
@@ -350,6 +352,56 @@ def test_text_is_shown_as_text_and_the_conversation_survives_a_reload(session):
     session.page.fill("#prompt", "a")
     session.page.press("#prompt", "Shift+Enter")  # a new line, not a send
     assert session.page.input_value("#prompt") == "a\n" and users.count() == 2
+
+
+@pytest.fixture(scope="module")
+def vision_server(browser):
+    """The tiny Gemma 3 vision checkpoint (tests/fixtures/vlm), no API key: its /v1/models entry lists images."""
+    args = EngineArgs(model=str(ROOT / "tests" / "fixtures" / "vlm" / "gemma3"), max_model_len=128, max_num_seqs=2,
+                      max_num_batched_tokens=16, token_buckets=(16,))
+    with running_server(args) as running:
+        yield running
+
+
+def test_a_vision_model_takes_images_picked_pasted_or_dropped(browser, vision_server):
+    """The image control shows for a vision model; a picked, a pasted and a dropped image go out with the
+    message as OpenAI image_url parts (data: URLs), are shown in the transcript, and the server's answer
+    (images are refused until the engine runs vision encoders) is shown as the answer's error."""
+    session = Session(browser, vision_server[0], viewport={"width": 1280, "height": 800})
+    try:
+        page = session.page
+        page.goto(vision_server[0] + "/")
+        page.locator("#model option", has_text="gemma3").wait_for(state="attached")
+        page.locator("#image-controls").wait_for(state="visible")
+        images = ROOT / "tests" / "fixtures" / "vlm" / "images"
+        page.set_input_files("#image-file", str(images / "rgba.png"))
+        png = base64.b64encode((images / "portrait.png").read_bytes()).decode()
+        for event, target in (("paste", "#prompt"), ("drop", "#composer")):
+            page.evaluate("""([event, target, data]) => {
+                const bytes = Uint8Array.from(atob(data), (c) => c.charCodeAt(0));
+                const transfer = new DataTransfer();
+                transfer.items.add(new File([bytes], "portrait.png", {type: "image/png"}));
+                const init = {bubbles: true, cancelable: true};
+                document.querySelector(target).dispatchEvent(event === "paste"
+                    ? new ClipboardEvent("paste", {...init, clipboardData: transfer})
+                    : new DragEvent("drop", {...init, dataTransfer: transfer}));
+            }""", [event, target, png])
+        page.wait_for_function("document.querySelectorAll('#attachments img').length === 3")
+        session.send("What are these?")
+        session.wait_answered("error")
+        error = session.last_answer().locator(".error").inner_text()
+        assert "image input is not served yet" in error
+        content = session.posted("/v1/chat/completions")[-1]["messages"][-1]["content"]
+        assert [part["type"] for part in content] == ["image_url"] * 3 + ["text"]
+        sent = [part["image_url"]["url"] for part in content[:3]]
+        assert sent[0] == "data:image/png;base64," + base64.b64encode((images / "rgba.png").read_bytes()).decode()
+        assert sent[1] == sent[2] == f"data:image/png;base64,{png}" and content[3]["text"] == "What are these?"
+        assert page.locator("#transcript article[data-role=user] .thumbs img").count() == 3
+        assert page.locator("#attachments img").count() == 0  # sent: the next message starts without
+        page.check("input[name=mode][value=completion]")
+        assert page.is_hidden("#image-controls")
+    finally:
+        session.close()
 
 
 def test_the_page_works_behind_a_path_prefix(browser, server):

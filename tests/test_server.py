@@ -109,6 +109,22 @@ def test_each_prompt_is_checked_once_before_any_is_queued(server, monkeypatch):
     assert checked == [[1, 5], [1, 99999]] and not engine.has_unfinished()
 
 
+def test_images_to_a_text_only_model_are_refused_by_name_before_fetching(server, client):
+    """stories260K has no vision tower: an image part is a 400 naming it, whatever its URL (nothing is fetched:
+    the private address would be refused otherwise), through chat completions and the Responses API."""
+    for url in ("data:image/png;base64,iVBORw0KGgo=", "http://10.0.0.1/cat.png"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="stories260K", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}]}])
+        assert e.value.body["param"] == "messages.0.content.1.image_url.url"
+        assert "takes no images: it is a text-only model" in e.value.body["message"]
+    r = httpx.post(f"{server[0]}/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://10.0.0.1/cat.png"}]}]})
+    assert "takes no images" in assert_error(r, 400)["message"]
+    assert httpx.get(f"{server[0]}/v1/models").json()["data"][0]["input_modalities"] == ["text"]
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+
+
 def test_malformed_json_and_a_request_chat_template(server):
     base, _ = server
     r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})

@@ -13,6 +13,7 @@ import pytest
 from jaxserve.config import SpeculativeConfig
 from jaxserve.execution.batch import BatchBuilder, BatchLayout
 from jaxserve.execution.draws import draw
+from jaxserve.execution.heads.draw import DrawHead
 from jaxserve.sampling.logits import SamplerState
 from jaxserve.sampling.params import SamplingParams, seed_words
 from jaxserve.sampling.sampler import SamplingArrays, sample
@@ -114,7 +115,7 @@ def spec_step(drafts_per_seq: list[list[int]], params: SamplingParams) -> StepPl
 
 
 def test_the_builder_lays_out_a_draw_row_per_draft():
-    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2)
+    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2, head=DrawHead(2))
     assert layout.rows == 8 and layout.draws == 3
     ints, floats = BatchBuilder(3, 2, 4).build(spec_step([[7, 8], [], [9]], SamplingParams(temperature=0)), layout)
     b = layout.packing.views(ints, floats)
@@ -126,7 +127,7 @@ def test_the_builder_lays_out_a_draw_row_per_draft():
 
 def run_draw(step: StepPlan, logits: np.ndarray, counts: np.ndarray | None = None):
     """`draw` over fixed logits per token row ([tokens, VOCAB]) for a step of 3 sequences with up to 2 drafts."""
-    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2)
+    layout = BatchLayout(tokens=8, seqs=3, max_pages=2, bias_entries=1, scratch_slot=3, max_drafts=2, head=DrawHead(2))
     ints, floats = BatchBuilder(3, 2, 4).build(step, layout)
     batch = layout.unpack(jnp.asarray(ints), jnp.asarray(floats))
     state = SamplerState(jnp.asarray(counts if counts is not None else np.zeros((4, VOCAB), np.int32)),

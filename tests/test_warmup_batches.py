@@ -98,7 +98,7 @@ def test_calibration_runs_the_warmup_batches_of_short_steps_only(llm, monkeypatc
     ran, idle = [], {1: 0.01, 8: 0.01, 32: 0.5}  # bucket 32 is made a long step
     monkeypatch.setattr(engine.runner, "run_warmup_batches", ran.append)
     monkeypatch.setattr(engine.runner, "time_idle_step", lambda bucket, verify=False: idle[bucket] * (1 + verify))
-    monkeypatch.setattr(engine, "_timed_buckets", set())
+    monkeypatch.setattr(engine.timing, "timed_buckets", set())
     monkeypatch.setattr(engine.scheduler, "step_cost", copy.deepcopy(engine.scheduler.step_cost))
     monkeypatch.setattr(engine.speculator, "verify_cost", StepCostModel(engine.speculator.verify_cost.buckets))
     engine.calibrate_step_cost()

@@ -63,8 +63,11 @@ def reinit_weights(model: torch.nn.Module, seed: int, *, unit_offset_norm: bool 
     Linear weights and MoE expert tensors ~ N(0, 0.15), embeddings ~ N(0, embed_std), biases ~ N(0, 0.1),
     MoE router weights ~ N(0, router_std). RMSNorm weights (incl. q_norm / k_norm) scale by U(0.5, 1.5):
     stored as is, or, for Gemma's `x * (1 + weight)` norms (`unit_offset_norm`), stored as U(-0.5, 0.5).
-    A tied lm_head shares the embedding tensor and is initialised once, as an embedding. The draw order
-    (embeddings first, then modules in definition order) is part of the fixtures' identity: keep it.
+    A tied lm_head shares the embedding tensor and is initialised once, as an embedding. Vision towers
+    (make_vlm_fixtures.py) add: LayerNorm weights U(0.5, 1.5) and biases N(0, 0.1), patch convolutions
+    N(0, 1 / fan_in) so patch embeddings stay O(1), Gemma 3's bare projection matrix as a linear weight.
+    The draw order (embeddings first, then modules in definition order) is part of the fixtures'
+    identity: keep it (the vision kinds only ever meet modules the text-only fixtures do not have).
     """
     gen = torch.Generator().manual_seed(seed)
     done: set[int] = set()
@@ -83,6 +86,10 @@ def reinit_weights(model: torch.nn.Module, seed: int, *, unit_offset_norm: bool 
                 p.copy_(torch.rand(p.shape, generator=gen) + (-0.5 if unit_offset_norm else 0.5))
             elif kind == "router":
                 p.copy_(torch.randn(p.shape, generator=gen) * router_std)
+            elif kind == "layernorm":
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            elif kind == "conv":
+                p.copy_(torch.randn(p.shape, generator=gen) * p[0].numel() ** -0.5)
             else:  # pragma: no cover
                 raise ValueError(kind)
         done.add(id(p))
@@ -109,6 +116,16 @@ def reinit_weights(model: torch.nn.Module, seed: int, *, unit_offset_norm: bool 
         elif kind_name.endswith("TopKRouter"):
             assert set(own) == {"weight"}, (name, set(own))
             fill(own["weight"], "router")
+        elif isinstance(mod, torch.nn.LayerNorm):
+            fill(mod.weight, "layernorm")
+            fill(mod.bias, "bias")
+        elif isinstance(mod, (torch.nn.Conv2d, torch.nn.Conv3d)):
+            fill(mod.weight, "conv")
+            if mod.bias is not None:
+                fill(mod.bias, "bias")
+        elif kind_name == "Gemma3MultiModalProjector":
+            assert set(own) == {"mm_input_projection_weight"}, (name, set(own))
+            fill(own["mm_input_projection_weight"], "linear")
         else:
             assert not own, f"unhandled parameters in {name} ({kind_name}): {list(own)}"
 

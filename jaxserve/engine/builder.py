@@ -31,6 +31,7 @@ from jaxserve.execution.cpu_matmuls import FEATURE_MAJOR
 from jaxserve.execution.cpu_matmuls import compiler_options as cpu_matmul_options
 from jaxserve.execution.cpu_matmuls import describe as describe_cpu_matmuls
 from jaxserve.execution.cpu_matmuls import resolve_cpu_matmuls
+from jaxserve.execution.gpu_fusion import compiler_options as gpu_step_options
 from jaxserve.execution.kv_budget import KVShare, resolve_kv_budget
 from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
@@ -71,7 +72,8 @@ class BuiltModel:
     weights_seconds: float = 0.0
     runner: str = "generate"  # or "pooling" (resolved from --runner auto)
     pooler_config: PoolerConfig | None = None  # the pooling runner's
-    # the step programs' compile options (on a CPU: which library runs the matmuls, execution/cpu_matmuls.py)
+    # the step programs' compile options (on a CPU: which library runs the matmuls, execution/cpu_matmuls.py;
+    # on a GPU: which products merge, execution/gpu_fusion.py)
     compiler_options: dict = dataclasses.field(default_factory=dict)
 
 
@@ -288,4 +290,4 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: T
                                                kv_cache_dtype=args.kv_cache_dtype),
                       sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
                                                    max_logit_bias=args.max_logit_bias),
-                      compiler_options=cpu_matmul_options(matmuls))
+                      compiler_options=cpu_matmul_options(matmuls) | gpu_step_options(platform))

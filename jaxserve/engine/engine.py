@@ -1,18 +1,19 @@
 """The engine loop: schedule a step, launch it on the device, advance requests by the step before.
 
 1. `add_request` validates a prompt and its sampling settings (`check_request`: a `ValueError` naming the
-   parameter, before anything is allocated) and queues its choices (`submit`); `add_pooling_request` queues
-   a prompt to embed (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that
+   parameter, before anything is allocated) and queues its choices (`submit`); `pooling` (`pooling_requests.py`)
+   takes prompts to embed the same way (`jaxserve/pooling/`). Additions and aborts from other threads land in an inbox that
    the next `step` drains, so only the engine thread ever mutates request state.
 2. `step` asks the scheduler for the next step (plain data), launches it on the device without waiting,
-   then, while the device runs it, reads the draws of the step before and hands them to
-   `update_from_output` (`jaxserve/scheduling/update.py`), the one place that advances requests. The
-   host thus prepares step N+1 while the device runs step N; a draw for a request that finished
-   meanwhile is discarded.
+   then, while the device runs it, reads the result of the step before and hands it to the host update of
+   the output head chosen at start (`execution/heads/`; the draw head's: `scheduling/update.py`), the one
+   place that advances requests. The host thus prepares step N+1 while the device runs step N; a result
+   for a request that finished meanwhile is discarded.
 3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
    is finished, the whole result.
-4. Step times feed the scheduler's step-time model (`step_timing.py`, `scheduling/step_cost.py`): idle steps
-   timed at warm-up, then each step the host waited for, from when the device could start it to its samples.
+4. Step times feed the scheduler's step-time model (`timing`: `step_timing.py`, `scheduling/step_cost.py`):
+   idle steps timed at warm-up, then each step the host waited for, from when the device could start it to
+   its samples.
    With LoRA, `self.lora` (`jaxserve/lora/manager.py`) reads each request's adapter at `add_request`
    and fills the device slots the scheduler asks for at admission.
 5. Multi-host: the runner of each process knows its part (`jaxserve/execution/relay.py`); the engine runs
@@ -39,6 +40,7 @@ from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import WrongRunner
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import WarmupReport
+from jaxserve.execution.heads import head_for
 from jaxserve.execution.kv_budget import page_bytes
 from jaxserve.execution.relay import runner_for_this_process
 from jaxserve.execution.runner import LaunchedStep
@@ -50,7 +52,6 @@ from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
-from jaxserve.scheduling.step_cost import StepClock
 from jaxserve.scheduling.update import RequestTracker
 from jaxserve.scheduling.validation import CheckedRequest, validate_priority, validate_request
 from jaxserve.speculative.build import build_speculator
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Engine(PoolingRequests, StepTiming):
+class Engine:
     @start_phase(BUILD)
     def __init__(self, args: EngineArgs, built: BuiltModel | None = None):
         """`built`: a model assembled by the caller (`builder.build_from_module`); default: `build_model(args)`."""
@@ -75,15 +76,14 @@ class Engine(PoolingRequests, StepTiming):
         self.sampler_config = built.sampler_config
         self.plan = built.model.plan
         self.runner_type = built.runner  # "generate" or "pooling"
-        self.pooler_config = built.pooler_config
         self.compile_events = CompileEvents()
         lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
         slots = None if lora_config is None else LoRASlots(built.model_config, lora_config.max_loras,
                                                            lora_config.max_lora_rank, built.dtype, self.plan)
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
-                                              built.sampler_config, self.compile_events,
-                                              pooling=built.runner == "pooling", lora=slots,
+                                              built.sampler_config, self.compile_events, lora=slots,
+                                              head=head_for(built.runner, built.sampler_config.max_logprobs),
                                               compiler_options=built.compiler_options,
                                               max_drafts=args.speculative_config.num_speculative_tokens
                                               if args.speculative_config else 0)
@@ -97,8 +97,9 @@ class Engine(PoolingRequests, StepTiming):
         self.speculator = build_speculator(args.speculative_config, built, self.runner, self.scheduler)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight: LaunchedStep | None = None  # the launched step whose draws are not read yet
-        self._step_clock = StepClock()  # device times of the steps read
-        self._timed_buckets: set[int] = set()  # buckets whose idle step warm-up has timed
+        self.timing = StepTiming(self.runner, self.scheduler, self.speculator)
+        self.pooling = PoolingRequests(built.pooler_config, self.model_config, self.scheduler_config,
+                                       lambda requests: self._inbox.put(("add", requests)))
         self.compilations_at_warmup: int | None = None
         # Seconds per start-up phase (weights, kv_cache, compile, total to ready), for the log and /metrics.
         self.startup_seconds = {"weights": built.weights_seconds}
@@ -127,11 +128,8 @@ class Engine(PoolingRequests, StepTiming):
         compile the others while serving; `startup_seconds["all_programs"]` and `warmup_report` appear
         when they are done."""
         start = time.perf_counter()
-
-        def done(report: WarmupReport | None) -> None:
-            self.startup_seconds["all_programs"] = time.perf_counter() - self._started
-
-        self.runner.warmup(background=background, on_done=done)
+        self.runner.warmup(background=background, on_done=lambda report: self.startup_seconds.update(
+            all_programs=time.perf_counter() - self._started))
         if self.speculator is not None:
             self.speculator.warmup()
         self.compilations_at_warmup = self.compile_events.lowered
@@ -149,6 +147,15 @@ class Engine(PoolingRequests, StepTiming):
     def warmup_report(self) -> WarmupReport | None:
         """What warm-up compiled (None until every program is done, and on follower processes)."""
         return self.runner.warmup_report
+
+    @property
+    def calibration_due(self) -> bool:
+        return self.timing.due
+
+    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
+        """Time idle steps for the step-time model (`StepTiming.calibrate`), unless a request is running."""
+        if not self.has_unfinished():
+            self.timing.calibrate(max_buckets)
 
     @property
     def compilations_since_warmup(self) -> int:
@@ -274,9 +281,9 @@ class Engine(PoolingRequests, StepTiming):
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        sampled = launched.sampled()
-        self._measure(launched)
-        return self.tracker.update_from_output(launched.step, sampled)
+        result = launched.read()
+        self.timing.measure(launched)
+        return self.runner.head.update(self.tracker, launched.step, result)
 
 
 def serve_as_follower(args: EngineArgs) -> bool:

@@ -33,6 +33,7 @@ from jaxserve.engine.builder import BuiltModel, build_abstract, bytes_per_device
 from jaxserve.engine.roofline import StepWork
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import KVShare, page_bytes, resolve_kv_budget
+from jaxserve.execution.heads import head_for
 from jaxserve.execution.programs import StepPrograms
 from jaxserve.loader.abstract import AbstractModel
 from jaxserve.loader.dtypes import resolve_dtype
@@ -221,9 +222,10 @@ def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
     lora = None if not args.enable_lora else LoRASlots.abstract_stack(
         built.model_config, args.max_loras, args.max_lora_rank, built.dtype, built.model.plan)
     return StepPrograms.build(built.model, built.model_config, built.cache_config, built.scheduler_config,
-                              built.attention, built.dtype, built.sampler_config, pooling=built.runner == "pooling",
+                              built.attention, built.dtype, built.sampler_config,
+                              head=head_for(built.runner, built.sampler_config.max_logprobs),
                               lora_stack=lora, max_drafts=args.speculative_config.num_speculative_tokens
-                              if args.speculative_config else 0)
+                              if args.speculative_config else 0, compiler_options=built.compiler_options)
 
 
 def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:

@@ -24,7 +24,7 @@ import logging
 import jax
 
 from jaxserve.execution.runner import LaunchedStep
-from jaxserve.scheduling.step_cost import kv_tokens_read
+from jaxserve.scheduling.step_cost import StepClock, kv_tokens_read
 
 logger = logging.getLogger("jaxserve.engine.engine")
 SHORT_STEP_SECONDS = 1.0  # an idle step this short is timed twice
@@ -34,19 +34,28 @@ WARMUP_BATCHES_BELOW_SECONDS = 0.1
 
 
 class StepTiming:
-    """Mixed into `Engine`, whose runner, scheduler, speculator, _timed_buckets and _step_clock it uses."""
+    """The engine's step times, fed to the scheduler's step-time model (and the speculator's): the buckets
+    timed idle, and the clock of served steps. Owned by `Engine`, which calls `calibrate` while no request
+    runs and `measure` on each step it reads."""
 
-    def calibrate_step_cost(self, max_buckets: int | None = None) -> None:
+    def __init__(self, runner, scheduler, speculator=None):
+        self.runner = runner
+        self.scheduler = scheduler
+        self.speculator = speculator
+        self.clock = StepClock()  # device times of the steps read
+        self.timed_buckets: set[int] = set()  # buckets whose idle step has been timed
+
+    def calibrate(self, max_buckets: int | None = None) -> None:
         """Time an idle step of (up to `max_buckets`) buckets not timed yet for the scheduler's step-time
         model; one under SHORT_STEP_SECONDS twice, the faster counting (a program's first run pays a
         one-off cost of tens of milliseconds; a long step is timed once, where that cost is small beside
         it and a second run would add seconds to the start of a big model). In between, a program with a
-        step under WARMUP_BATCHES_BELOW_SECONDS runs the warm-up batches. Only while no request runs
-        (an idle server: the async engine calls it once background compilation is done, a bucket per idle
-        moment); in a multi-host run the model learns from served steps alone."""
-        buckets = [b for b in self.runner.ready_buckets if b not in self._timed_buckets][:max_buckets]
-        if not self.calibration_due or self.has_unfinished():
+        step under WARMUP_BATCHES_BELOW_SECONDS runs the warm-up batches. Only while no request runs (the
+        caller's to make sure: an idle server times a bucket per idle moment once background compilation
+        is done); in a multi-host run the model learns from served steps alone."""
+        if not self.due:
             return
+        buckets = [b for b in self.runner.ready_buckets if b not in self.timed_buckets][:max_buckets]
         cost = self.scheduler.step_cost
         # A program's first runs may compile what runs inside it on the host (the interpreted kernels'
         # callbacks on CPU, on whichever thread XLA runs them): that is start-up's, not a served step's.
@@ -60,12 +69,12 @@ class StepTiming:
                 cost.observe(bucket, 0, seconds)
                 if self.speculator is not None and bucket > 1:  # a step verifying drafts draws more rows
                     self.speculator.verify_cost.observe(bucket, 0, self._time_verify_step(bucket))
-                self._timed_buckets.add(bucket)
-        if self.calibration_due:
+                self.timed_buckets.add(bucket)
+        if self.due:
             return  # the log line comes with the last bucket
         target = self.scheduler.itl_target()
         logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
-                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self._timed_buckets)),
+                    ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self.timed_buckets)),
                     "off" if target is None else f"{1e3 * target:.1f} ms")
 
     def _time_verify_step(self, bucket: int) -> float:
@@ -76,17 +85,17 @@ class StepTiming:
         return seconds
 
     @property
-    def calibration_due(self) -> bool:
+    def due(self) -> bool:
         """Every program is compiled and some bucket's step has not been timed yet (never in a multi-host
         run: its processes would have to run the timing steps together)."""
         return (jax.process_count() == 1 and self.runner.warmup_report is not None
-                and len(self._timed_buckets) < len(self.runner.ready_buckets))
+                and len(self.timed_buckets) < len(self.runner.ready_buckets))
 
-    def _measure(self, launched: LaunchedStep) -> None:
+    def measure(self, launched: LaunchedStep) -> None:
         """Feed the step-time model the step's device time, where it can be told."""
         if launched.done_at is None:
             return  # a runner that keeps no times
-        seconds = self._step_clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
+        seconds = self.clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
         if seconds is not None:
             # A step verifying drafts runs its program's draft rows: its time is not a plain step's.
             verifies = self.speculator is not None and any(seq.num_draft_tokens for seq in launched.step.seqs)

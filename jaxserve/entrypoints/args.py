@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 
 from jaxserve.config import CPU_MATMUL_LIBRARIES, KV_CACHE_DTYPES, LAYER_LOOPS, QUANTIZATION_METHODS, QUANTIZED_MATMULS
-from jaxserve.engine_args import EngineArgs
+from jaxserve.engine_args import DEFAULT_IMAGES_PER_PROMPT, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +101,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}; optional "disable_by_batch_size": N, "adaptive_drafting": false')
     add_parallel_args(parser)
     add_lora_args(parser)
+    add_media_args(parser)
+
+
+def add_media_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("images in requests (vision-language models)")
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let requests name images as file:// URLs of files under DIR (symlinks and .. resolved "
+                        "first); default: file:// URLs are refused")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="the only hosts http(s) image URLs may name; they may then resolve to private addresses "
+                        "too (default: any host whose addresses are all public: loopback, private and "
+                        "link-local addresses are refused)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help=f'images one prompt may carry, as vLLM: \'{{"image": 4}}\' (default '
+                        f'{DEFAULT_IMAGES_PER_PROMPT}; 0 refuses images)')
+    g.add_argument("--media-fetch-timeout", type=float, default=EngineArgs.media_fetch_timeout, metavar="SECONDS",
+                   help="time one http(s) image URL may take, redirects and body included (vLLM's "
+                        "VLLM_IMAGE_FETCH_TIMEOUT)")
+    g.add_argument("--max-media-bytes", type=int, default=EngineArgs.max_media_bytes, metavar="BYTES",
+                   help="size of one encoded image, fetched, read or sent as base64 (default 20 MiB)")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:

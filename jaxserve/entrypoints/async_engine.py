@@ -6,7 +6,7 @@
 2. `generate()` (asyncio side) queues a request the engine has checked (`Engine.check_request`, which the
    caller runs first, off the event loop, for every prompt before it queues any), then yields each
    `RequestOutput` the thread posts to the request's queue through `call_soon_threadsafe`; `embed()` does
-   the same for a checked pooling request (`Engine.check_pooling`) and its one `EmbeddingRequestOutput`.
+   the same for a checked pooling request (`Engine.pooling.check`) and its one `EmbeddingRequestOutput`.
 3. If the caller goes away (client disconnect, cancellation) before the request finishes, the `finally`
    aborts it; the engine frees its slot and pages at its next step.
 4. The thread sleeps on an event while there is no work, so an idle server burns no CPU.
@@ -170,7 +170,7 @@ class AsyncEngine:
         self._queues[request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            self.engine.submit_pooling(request, request_id, prompt)
+            self.engine.pooling.submit(request, request_id, prompt)
             self._wake.set()
             item = await q.get()
             if isinstance(item, Exception):

@@ -3,6 +3,12 @@
 It runs on the same engine and scheduler as the server: all prompts are queued at once and batched
 continuously, and the results come back in prompt order.
 
+Images (vision-language checkpoints): `chat` takes OpenAI's image parts (`{"type": "image_url", "image_url":
+{"url": ...}}`, or `{"type": "image", "image": <PIL image>}`) and `generate` vLLM's `{"prompt": text,
+"multi_modal_data": {"image": <PIL image or a list>}}` (the text holding the model's image placeholder once
+per image). They are loaded, checked and turned into the prompt's image tokens (jaxserve/multimodal/), then
+refused: the engine does not run vision encoders yet.
+
 Multi-host (`distributed_coordinator=...`): run the same script on every host. Process 0's calls do the
 work and return the outputs; on the other processes each call runs process 0's device steps for that
 call and returns an empty list.
@@ -42,6 +48,7 @@ class LLM:
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
         self.engine.warmup()
         self._defaults = sampling_defaults(self.engine.args.model_dir)
+        self._image_inputs = None  # read when a request first carries images (PIL is imported then)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without sampling_params: the model's generation_config.json (temperature,
@@ -104,8 +111,8 @@ class LLM:
         encoded, pooling_params = self._encoded(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                                 PoolingParams, "pooling_params")
         for (_, ids), params in zip(encoded, pooling_params):  # everything checked before anything is queued
-            self.engine.validate_pooling(ids, params)
-        ids = [self.engine.add_pooling_request(ids, params, prompt=text)
+            self.engine.pooling.validate(ids, params)
+        ids = [self.engine.pooling.add(ids, params, prompt=text)
                for (text, ids), params in zip(encoded, pooling_params)]
         done: dict[str, EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Embedding", disable=not use_tqdm) as bar:
@@ -117,8 +124,9 @@ class LLM:
 
     def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int]]],
                                                                                 list]:
-        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt. A prompt
+        is text, token ids, or vLLM's dict forms: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt")
@@ -127,6 +135,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
         tokenizer = self.engine.tokenizer
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict) and "multi_modal_data" in p:
+                self._image_prompt(p, i)
+        prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]
         return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts], params
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -136,13 +148,55 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
 
+        def render(conversation: list[dict]) -> str:
+            return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template)
+
         def chat() -> list[RequestOutput]:
-            prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                                      chat_template=chat_template),
-                                        add_special_tokens=False) for c in conversations]
+            for conversation in conversations:
+                if any(isinstance(m.get("content"), list) for m in conversation):
+                    self._chat_images(conversation, render)
+            prompts = [tokenizer.encode(render(c), add_special_tokens=False) for c in conversations]
             return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
         return self.engine.call(chat, on_follower=[])
+
+    # -- images: loaded, checked and prepared up to the engine, which does not take them yet ------------------
+
+    def _images(self):
+        if self._image_inputs is None:
+            from jaxserve.multimodal.prompt import ImageInputs
+            self._image_inputs = ImageInputs.from_args(self.engine.args, self.engine.model_name)
+        return self._image_inputs
+
+    def _chat_images(self, conversation: list[dict], render) -> None:
+        """A conversation's image parts through the request side (ValueError naming the part)."""
+        from jaxserve.multimodal.chat_parts import split_images
+        from jaxserve.multimodal.prompt import require_served
+        messages, sources = split_images(conversation)
+        if sources:
+            inputs = self._images()
+            inputs.check(sources)
+            prompt = inputs.prompt(render(messages), inputs.load(sources), sources,
+                                   lambda text: self.engine.tokenizer.encode(text, add_special_tokens=False))
+            require_served(prompt)
+
+    def _image_prompt(self, prompt: dict, index: int) -> None:
+        """vLLM's `{"prompt": text, "multi_modal_data": {"image": ...}}` through the request side."""
+        from jaxserve.multimodal.chat_parts import ImageSource
+        from jaxserve.multimodal.prompt import require_served
+        data, field = prompt["multi_modal_data"], f"prompts[{index}].multi_modal_data"
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"{field} must be {{'image': <PIL image or a list of them>}} (images only)")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError(f"{field} needs the prompt as text ('prompt'), with the model's image placeholder "
+                             f"once per image")
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        sources = [ImageSource(image, f"{field}.image[{k}]") for k, image in enumerate(images)]
+        inputs = self._images()
+        inputs.check(sources)
+        require_served(inputs.prompt(prompt["prompt"], inputs.load(sources), sources, self.engine.tokenizer.encode,
+                                     field=f"prompts[{index}].prompt"))
 
     def _run(self, request_ids: list[str], choices: list[int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every choice of every request is finished; one RequestOutput per request, its
@@ -168,3 +222,24 @@ class LLM:
                                          prompt_logprobs=prompt_logprobs.get(request_id))
             results.append(result)
         return results
+
+
+def _prompt_of(prompt, index: int):
+    """A prompt's text or token ids, from any form `generate` and `embed` take; a dict of vLLM's shapes
+    (`TextPrompt`, `TokensPrompt`) gives its text or ids, and anything it does not serve is refused by name."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown:
+        raise ValueError(f"prompts[{index}] has unsupported keys {sorted(unknown)}: "
+                         "pass {'prompt': text} or {'prompt_token_ids': [ids]}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"prompts[{index}] needs exactly one of 'prompt' and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"prompts[{index}]['prompt'] must be a string")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of integers")
+    return list(ids)

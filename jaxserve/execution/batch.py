@@ -1,15 +1,18 @@
 """The device batch of one ragged step: its fields, and how the host fills them from a `StepPlan`.
 
 1. A step holds `T` new tokens (padded to a bucket) of at most `S` sequences, contiguous per sequence
-   (`cu_q_lens`). `StepBatch` declares every field with its shape in those dimensions; `BatchLayout`
-   fixes them for one (tokens, seqs) bucket pair, and its `Packing` (`jaxserve/packing.py`) derives the
-   two flat transfer buffers (int32 and float32) from the declarations: one transfer each per step, and
-   one broadcast each to the follower processes of a multi-host run.
+   (`cu_q_lens`). `StepBatch` declares the fields every step has (tokens, positions, KV slots, page
+   tables, adapter slots) with their shapes in those dimensions; the output head's batch class adds its
+   own after them (`step_io.OutputHead.batch`: the draw head's draw rows and sampling settings, the pool
+   head's pooling kinds). `BatchLayout` fixes the dimensions for one (tokens, seqs) bucket pair and names
+   the head, and its `Packing` (`jaxserve/packing.py`) derives the two flat transfer buffers (int32 and
+   float32) from the declarations: one transfer each per step, and one broadcast each to the follower
+   processes of a multi-host run.
 2. `BatchBuilder.build` fills the fields from the plan's sequences with numpy, vectorised over them:
    fields that name a per-sequence `source` are copied generically, the ragged ones (positions, KV
-   slots, page tables, bias lists) are computed here. It keeps a per-slot mirror of the page tables,
-   updated by the page-table changes each step carries, so host work per step follows what changed,
-   not context length.
+   slots, page tables) are computed here, and the head fills the rest of its own. It keeps a per-slot
+   mirror of the page tables, updated by the page-table changes each step carries, so host work per step
+   follows what changed, not context length.
 3. Inside the jitted step, `BatchLayout.unpack` slices the buffers back into a `StepBatch` (static
    offsets: free).
 """
@@ -23,9 +26,6 @@ import jax
 import numpy as np
 
 from jaxserve.packing import Packing, leaf_at, packed, per_seq, per_token
-from jaxserve.sampling.logits import LogitsParams
-from jaxserve.sampling.params import ADD_BIAS
-from jaxserve.sampling.sampler import SamplingArrays
 from jaxserve.scheduling.pages import NULL_PAGE
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 
@@ -33,34 +33,17 @@ from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepBatch:
-    """One step's inputs. Dimensions: T tokens, S sequence rows, Q draw rows, P pages per sequence, B bias
-    entries per row, R the sampler-state row of padding (the scratch slot). A new per-sequence input is one
-    line here."""
+    """The inputs every step has, whatever its head. Dimensions: T tokens, S sequence rows, P pages per
+    sequence (and, for a head's fields, Q draw rows, B bias entries per row, R the scratch row of padding).
+    A new per-sequence input is one line here, or in the head's batch class."""
     tokens: jax.Array = per_token()  # [T] int32 new token ids (0 for padding, and where from_prev says otherwise)
     from_prev: jax.Array = per_token(fill=-1)  # [T] int32 row of the previous step's samples; -1: use tokens
     positions: jax.Array = per_token()  # [T] int32 position of each token in its sequence (0 for padding)
     write_index: jax.Array = per_token()  # [T] int32 flat KV slot (page * page_size + offset); padding: null page
-    token_kind: jax.Array = per_token()  # [T] int32 0 padding, 1 prompt token, 2 output token (sampler state)
-    prompt_target: jax.Array = per_token(fill=-1)  # [T] int32 the prompt token after this one (logprobs); -1: none
     lora_slot: jax.Array = per_token()  # [T] int32 LoRA adapter slot of each token's sequence; 0: none
     cu_q_lens: jax.Array = packed("S+1")  # [S + 1] int32 first token row of each sequence; padding rows are empty
     kv_lens: jax.Array = per_seq()  # [S] int32 tokens in the cache per sequence after this step; 0 for padding
     page_tables: jax.Array = packed("S,P")  # [S, P] int32 page ids per sequence (null page beyond its length)
-    # Draw rows (Q of them): one per sequence (its last token's logits), plus one per draft token it verifies
-    # (the logits before each draft), contiguous per sequence; a step without drafts has row i = sequence i.
-    row_index: jax.Array = packed("Q")  # [Q] int32 token row whose logits the draw reads
-    row_seq: jax.Array = packed("Q")  # [Q] int32 the draw's sequence row
-    row_pos: jax.Array = packed("Q", fill=-1)  # [Q] int32 its place among its sequence's draws; -1: padding
-    row_draft: jax.Array = packed("Q", fill=-1)  # [Q] int32 the draft token the draw verifies; -1: none
-    slots: jax.Array = per_seq(fill="R", source="slot")  # [S] int32 sampler-state row (padding: the scratch row)
-    fresh: jax.Array = per_seq(source="first_chunk")  # [S] int32 1 where that row's state starts over
-    # [S] int32 top logprobs wanted for the drawn token; -1: none at all
-    logprobs: jax.Array = per_seq(fill=-1, source=lambda seq: -1 if seq.params.logprobs is None or not seq.samples
-                                  else seq.params.logprobs)
-    pooling: jax.Array = per_seq(source="pooling")  # [S] int32 pooling kind (LAST, MEAN, CLS): pooling runner
-    constrained: jax.Array = packed("")  # [] int32 1 when some row's draw is limited by a grammar mask
-    sampling: SamplingArrays  # [S] rows
-    processing: LogitsParams  # [S] rows, filled when some row processes its logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +55,12 @@ class BatchLayout:
     bias_entries: int  # B: logit-bias / allowed-token entries per row
     scratch_slot: int  # R: the sampler-state row padding rows use (max_num_seqs)
     max_drafts: int = 0  # K: draft tokens a sequence may verify in one step (speculative decoding)
+    head: object = None  # the output head (`step_io.OutputHead`) whose fields follow StepBatch's; None: none
+
+    @property
+    def batch(self) -> type:
+        """The batch class: StepBatch's fields, then the head's."""
+        return StepBatch if self.head is None else self.head.batch
 
     @property
     def draws(self) -> int:
@@ -85,13 +74,13 @@ class BatchLayout:
 
     @functools.cached_property
     def packing(self) -> Packing:
-        return Packing(StepBatch, {"T": self.tokens, "S": self.seqs, "Q": self.rows, "P": self.max_pages,
-                                   "B": self.bias_entries, "R": self.scratch_slot})
+        return Packing(self.batch, {"T": self.tokens, "S": self.seqs, "Q": self.rows, "P": self.max_pages,
+                                    "B": self.bias_entries, "R": self.scratch_slot})
 
     @functools.cached_property
-    def sources(self) -> tuple[list, list]:
-        """The per-sequence fields the builder copies generically: (always, only when logits are processed)."""
-        return self.packing.sourced() + self.packing.sourced("sampling"), self.packing.sourced("processing")
+    def sources(self) -> list:
+        """The top-level per-sequence fields (the head's included) the builder copies generically."""
+        return self.packing.sourced()
 
     def empty(self) -> tuple[np.ndarray, np.ndarray]:
         """A batch with no sequences: every token is padding writing to the null page (warm-up, followers)."""
@@ -121,12 +110,11 @@ class BatchBuilder:
             self.tables[slot, done:done + len(seq.new_pages)] = seq.new_pages
             self._synced[slot] = done + len(seq.new_pages)
 
-    def build(self, step: StepPlan, layout: BatchLayout, constrained: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def build(self, step: StepPlan, layout: BatchLayout) -> tuple[np.ndarray, np.ndarray]:
         seqs = step.seqs
         n = len(seqs)
         ints, floats = layout.empty()
         b: StepBatch = layout.packing.views(ints, floats)
-        b.constrained[...] = constrained
         if not n:
             return ints, floats
         for seq in seqs:
@@ -143,8 +131,6 @@ class BatchBuilder:
         b.positions[:total] = positions
         pages = self.tables[slots[seq_of], positions // self.page_size]
         b.write_index[:total] = pages * self.page_size + positions % self.page_size
-        prompt_lens = np.fromiter((s.num_prompt_tokens for s in seqs), np.int32, n)
-        b.token_kind[:total] = np.where(positions < prompt_lens[seq_of], 1, 2)
         lora_slots = np.fromiter((s.lora_slot for s in seqs), np.int32, n)
         if lora_slots.any():
             b.lora_slot[:total] = lora_slots[seq_of]
@@ -157,19 +143,11 @@ class BatchBuilder:
                 tokens.extend(seq.token_ids)
         b.tokens[:total] = tokens
         b.kv_lens[:n] = starts + lens
-        self._draw_rows(seqs, cu[1:n + 1], b, layout)
         b.page_tables[:n] = self.tables[slots]
-        always, processing = layout.sources
-        for path, get in always:
+        for path, get in layout.sources:
             leaf_at(b, path)[:n] = [get(s) for s in seqs]
-        if any(s.params.processes_logits for s in seqs):
-            b.processing.active[...] = 1
-            for path, get in processing:
-                leaf_at(b, path)[:n] = [get(s) for s in seqs]
-            self._bias_entries(seqs, b.processing)
-        for i, seq in enumerate(seqs):
-            if seq.prompt_targets:
-                b.prompt_target[cu[i]:cu[i] + len(seq.prompt_targets)] = seq.prompt_targets
+        if layout.head is not None:
+            layout.head.fill(b, seqs, layout, seq_of)
         return ints, floats
 
     def warmup(self, layout: BatchLayout, every_option: bool, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -188,7 +166,7 @@ class BatchBuilder:
         many as the bucket holds, a verify step's shape for timing it (speculative decoding's cost model)."""
         ints, floats = layout.empty()
         b: StepBatch = layout.packing.views(ints, floats)
-        # a draft needs 2 tokens
+        # a draft needs 2 tokens (sequence lengths are the batch's; what each row draws, the head's)
         draws = 2 if (every_option or verify) and layout.max_drafts and layout.tokens > 1 else 1
         n = 1 if every_option and draws == 1 else min(layout.seqs, layout.tokens // draws)
         lens = np.full(n, draws, np.int32)
@@ -199,61 +177,8 @@ class BatchBuilder:
         positions = np.arange(layout.tokens, dtype=np.int32) - np.repeat(cu[:n], lens)
         b.positions[:] = positions
         b.write_index[:] = NULL_PAGE * self.page_size + positions % self.page_size
-        b.token_kind[:] = 1
         b.tokens[:] = 1
         b.kv_lens[:n] = lens
-        b.fresh[:n] = 1
-        rows = np.arange(n * draws)
-        b.row_seq[:n * draws] = rows // draws
-        b.row_pos[:n * draws] = rows % draws
-        b.row_index[:n * draws] = cu[1:n + 1][rows // draws] - draws + rows % draws
-        if draws == 2:
-            b.row_draft[:n * draws:2] = 1
-        if every_option:
-            s, p = b.sampling, b.processing
-            s.temperature[:n], s.top_k[:n], s.top_p[:n] = 1.0, 8, 0.9
-            p.active[...], p.presence[:n], p.repetition[:n] = 1, 0.5, 1.1
-            b.constrained[...] = 1
-            b.logprobs[:n] = 0  # the drawn token's own logprob
+        if layout.head is not None:
+            layout.head.fill_warmup(b, n, draws, every_option)
         return ints, floats
-
-    @staticmethod
-    def _draw_rows(seqs: list[ScheduledSeq], ends: np.ndarray, b: StepBatch, layout: BatchLayout) -> None:
-        """Each sequence's draw rows: its last `drafts + 1` tokens, whose logits decide the token after each."""
-        n = len(seqs)
-        drafts = np.fromiter((s.num_draft_tokens for s in seqs), np.int32, n)
-        if not drafts.any():  # row i is sequence i
-            b.row_index[:n] = ends - 1
-            b.row_seq[:n] = np.arange(n)
-            b.row_pos[:n] = 0
-            return
-        if drafts.max() > layout.max_drafts:
-            raise ValueError(f"a sequence verifies {drafts.max()} draft tokens; the step programs were built for "
-                             f"at most {layout.max_drafts} (speculative_config's num_speculative_tokens)")
-        counts = drafts + 1
-        first = np.cumsum(counts) - counts
-        total = int(counts.sum())
-        seq_of_row = np.repeat(np.arange(n, dtype=np.int32), counts)
-        pos = np.arange(total, dtype=np.int32) - first[seq_of_row]
-        b.row_seq[:total] = seq_of_row
-        b.row_pos[:total] = pos
-        b.row_index[:total] = ends[seq_of_row] - counts[seq_of_row] + pos
-        for i in np.flatnonzero(drafts):
-            d = int(drafts[i])
-            b.row_draft[first[i]:first[i] + d] = seqs[i].token_ids[-d:]
-
-    @staticmethod
-    def _bias_entries(seqs: list[ScheduledSeq], p: LogitsParams) -> None:
-        """Each row's static bias entries, plus -inf on its EOS and stop tokens while the token being drawn
-        is one of its first `min_tokens`."""
-        for i, seq in enumerate(seqs):
-            ids, values, kinds = seq.bias
-            count = len(ids)
-            p.bias_ids[i, :count] = ids
-            p.bias_values[i, :count] = values
-            p.bias_kinds[i, :count] = kinds
-            masked = seq.suppress_ids
-            if masked:
-                p.bias_ids[i, count:count + len(masked)] = masked
-                p.bias_values[i, count:count + len(masked)] = -np.inf
-                p.bias_kinds[i, count:count + len(masked)] = ADD_BIAS

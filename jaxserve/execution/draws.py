@@ -47,7 +47,8 @@ class Draws:
 
 def draw(logits_fn, hidden: jax.Array, batch: StepBatch, sampler_state: SamplerState, masks: jax.Array,
          layout: BatchLayout, num_rows: int, top: int) -> tuple[Draws, SamplerState]:
-    """Draw every row of the step and verify its drafts. `logits_fn(hidden rows) -> raw logits`."""
+    """Draw every row of the step and verify its drafts. `logits_fn(hidden rows) -> raw logits` in any float
+    dtype (the LM head's own: the draw converts them to float32 where it computes with them)."""
     if layout.max_drafts == 0:
         return _draw_rows(logits_fn, hidden, batch, sampler_state, masks, layout, num_rows, top, layout.seqs)
     # Draft rows cost an LM head and a sort each: a step that verifies none draws one row per sequence.
@@ -69,11 +70,27 @@ def _draw_rows(logits_fn, hidden, batch: StepBatch, state: SamplerState, masks, 
     pos = batch.row_pos[:rows]
     drafts = batch.row_draft[:rows]
     slots = batch.slots[seq]
-    # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
-    raw = apply_token_masks(logits_fn(hidden[batch.row_index[:rows]]), masks[seq], batch.constrained)
+    row_hidden = hidden[batch.row_index[:rows]]
     sampling = _per_row(batch.sampling, seq)
     sampling = dataclasses.replace(sampling, step=sampling.step + jnp.maximum(pos, 0))
-    sampled = sample(process(raw, state, slots, _per_row(batch.processing, seq)), sampling)
+    want_logprobs = jnp.any(batch.logprobs >= 0)
+    no_logprobs = (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32), jnp.zeros((rows, top), jnp.int32),
+                   jnp.zeros((rows, top), jnp.float32))
+
+    def processed_draw():
+        # The grammar mask comes first: a token it forbids has no probability at all, logprobs included.
+        raw = apply_token_masks(logits_fn(row_hidden).astype(jnp.float32), masks[seq], batch.constrained)
+        sampled = sample(process(raw, state, slots, _per_row(batch.processing, seq)), sampling)
+        return sampled, jax.lax.cond(want_logprobs, lambda: token_logprobs(raw, sampled, top), lambda: no_logprobs)
+
+    # A draw no row masks, processes or asks log-probabilities of (every step of plain requests) has a branch
+    # of its own, where the logits go from the LM head straight into the sampler, in the head's dtype (a greedy
+    # draw compares them, a sampled one divides them by a float32 temperature). Passed through the other
+    # branch's conditionals unchanged, the full-vocabulary logits were converted to float32, materialized and
+    # copied twice a step (issue 52).
+    plain = (batch.constrained == 0) & (batch.processing.active == 0) & ~want_logprobs
+    sampled, lp = jax.lax.cond(plain, lambda: (sample(logits_fn(row_hidden), sampling), no_logprobs),
+                               processed_draw)
 
     # Per sequence, the first draw that does not reproduce its draft: the last one that stands.
     never = layout.draws
@@ -92,9 +109,6 @@ def _draw_rows(logits_fn, hidden, batch: StepBatch, state: SamplerState, masks, 
     counts = state.output_counts.at[jnp.where(rejected, slots, scratch), jnp.maximum(drafts, 0)].add(-1)
     state = SamplerState(counts.at[scratch].set(0), state.in_prompt)
 
-    lp = jax.lax.cond(jnp.any(batch.logprobs >= 0), lambda: token_logprobs(raw, sampled, top),
-                      lambda: (jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
-                               jnp.zeros((rows, top), jnp.int32), jnp.zeros((rows, top), jnp.float32)))
     per_seq = [jnp.zeros((num_rows, layout.draws) + a.shape[1:], a.dtype).at[at].set(a, mode="drop")
                for a in lp]
     return Draws(last, tokens, accepted, *per_seq), state

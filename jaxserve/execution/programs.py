@@ -2,10 +2,11 @@
 
 Built from abstract values alone, so the same programs compile on the serving devices (`runner.py`, which
 adds the arrays) and for a slice that is not here (`jaxserve plan`, on compile-only devices):
-1. `StepPrograms.build` makes the jitted step (`step_program.jit_step`), one `BatchLayout` per token bucket,
-   and the state the step takes donated and returns: the KV cache (`KVCache.abstract`) and the sampler
-   state, with the previous step's samples and the all-allowed grammar masks beside them.
-2. `inputs(layout)` is a bucket's program arguments as shapes and shardings; `lower(layout)` lowers it.
+1. `StepPrograms.build` makes the jitted step (`step_program.jit_step`) for the output head, one
+   `BatchLayout` per token bucket, and the `StepState` the step takes donated and returns: the KV cache
+   (`KVCache.abstract`), the previous step's samples and the head's state (the draw head's sampler state).
+2. `inputs(layout)` is a bucket's program arguments as shapes and shardings (the batch buffers, the grammar
+   masks where the head takes them, the LoRA stacks); `lower(layout)` lowers it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import jax.numpy as jnp
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
 from jaxserve.execution.batch import BatchLayout
+from jaxserve.execution.heads.draw import DrawHead
+from jaxserve.execution.step_io import OutputHead, StepInputs, StepState
 from jaxserve.execution.step_program import jit_step
 from jaxserve.loader.placement import ShardedModel
 from jaxserve.model.kv_cache import KVCache, QuantizedPages
-from jaxserve.sampling.logits import SamplerState
 from jaxserve.scheduling.pages import pages_needed
 from pallas_kernels.dispatch import AttentionBackend
 from pallas_kernels.kv_quant import SCALE_DTYPE, kv_quant_dtype, scales_shape
@@ -53,45 +55,49 @@ def abstract_kv_cache(model_config: ModelConfig, cache_config: CacheConfig, plan
 @dataclasses.dataclass
 class StepPrograms:
     step: object  # the jitted step (`jit_step`)
+    head: OutputHead
     layouts: dict[int, BatchLayout]  # token bucket -> its program's shapes
     params: tuple  # the parameters' leaves, abstract
-    kv_cache: KVCache  # abstract
-    sampler_state: SamplerState  # abstract
-    prev_samples: jax.ShapeDtypeStruct  # [max_num_seqs] int32
+    state: StepState  # abstract
     lora: object  # the LoRA slot stacks, abstract, or None
     mask_words: int  # int32 words of one row's allowed-token bitmask
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self.state.kv_cache
 
     @classmethod
     def build(cls, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
               scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
-              sampler_config: SamplerConfig = SamplerConfig(), pooling: bool = False, lora_stack=None,
+              sampler_config: SamplerConfig = SamplerConfig(), head: OutputHead | None = None, lora_stack=None,
               max_drafts: int = 0, compiler_options: dict | None = None) -> "StepPrograms":
-        """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `lora_stack`: the
+        """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `head`: what
+        the steps produce (default: the draw head, `heads/`); `lora_stack`: the
         LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
         sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program."""
+        head = head or DrawHead(sampler_config.max_logprobs)
         plan = model.plan
         max_seqs = scheduler_config.max_num_seqs
         max_pages = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), max_pages, sampler_config.max_logit_bias,
-                                  max_seqs, max_drafts) for b in scheduler_config.token_buckets}
+                                  max_seqs, max_drafts, head) for b in scheduler_config.token_buckets}
         kv = abstract_kv_cache(model_config, cache_config, plan, dtype, layers_folded=model.layer_repeats > 1)
         rep = plan.replicated
-        state_shape = (max_seqs + 1, model_config.vocab_size)  # per slot, and the padding rows' scratch row
-        sampler_state = SamplerState(jax.ShapeDtypeStruct(state_shape, jnp.int32, sharding=rep),
-                                     jax.ShapeDtypeStruct(state_shape, jnp.bool_, sharding=rep))
+        state = StepState(kv, jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep),
+                          head.abstract_state(max_seqs, model_config.vocab_size, rep))
         lora = None if lora_stack is None else abstract(lora_stack)
-        step = jit_step(model, plan, attention, model_config, kv, sampler_state, num_samples=max_seqs,
-                        top=sampler_config.max_logprobs, pooling=pooling, lora=lora,
+        step = jit_step(model, plan, attention, model_config, state, max_seqs, masks=head.takes_masks, lora=lora,
                         compiler_options=compiler_options)
-        return cls(step, layouts, tuple(abstract(jax.tree.leaves(model.params))), kv, sampler_state,
-                   jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep), lora,
+        return cls(step, head, layouts, tuple(abstract(jax.tree.leaves(model.params))), state, lora,
                    (model_config.vocab_size + 31) // 32)
 
     def inputs(self, layout: BatchLayout) -> tuple:
         """The arguments of `layout`'s program, but for the two static ones (the layout, the logits flag)."""
         ints, floats = layout.empty()
-        masks = jax.ShapeDtypeStruct((layout.seqs, self.mask_words), jnp.int32, sharding=self.prev_samples.sharding)
-        return (self.params, self.kv_cache, self.sampler_state, self.prev_samples, ints, floats, masks, self.lora)
+        masks = None
+        if self.head.takes_masks:
+            masks = jax.ShapeDtypeStruct((layout.seqs, self.mask_words), jnp.int32, sharding=self.state.samples.sharding)
+        return self.params, self.state, StepInputs(ints, floats, masks, self.lora)
 
     def lower(self, layout: BatchLayout):
         return self.step.lower(*self.inputs(layout), layout, False)

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.execution.batch import BatchLayout
 from jaxserve.execution.compiler import WarmupReport
-from jaxserve.execution.runner import LaunchedStep, ModelRunner, to_host
+from jaxserve.execution.runner import LaunchedStep, ModelRunner
 from jaxserve.scheduling.step import StepPlan
 from sharding.multihost import END, STEP, StepChannel
 
@@ -51,13 +51,13 @@ class LeaderRunner(ModelRunner):
 
     def _warm_up(self, on_done) -> WarmupReport | None:
         report = super().warmup(False, on_done)
-        self._prev_samples = self._no_samples  # the warm-up ran steps (on the null page)
+        self.forget_samples()  # the warm-up ran steps (on the null page)
         return report
 
     def _build_program(self, layout: BatchLayout) -> None:
         # Every process must compile the program its collectives run. No sequences: every token writes to
         # the null page.
-        to_host(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).results.draws.last)
+        jax.block_until_ready(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).outputs)
 
     def call(self, work, on_follower=None):
         try:
@@ -76,7 +76,7 @@ class FollowerRunner(ModelRunner):
 
     def warmup(self, background: bool = False, on_done=None) -> WarmupReport | None:
         self.follow()  # the leader's warm-up steps compile the programs here
-        self.kv_cache  # noqa: B018 - filled on its thread meanwhile
+        self.state  # noqa: B018 - the cache was filled on its thread meanwhile
         if on_done is not None:
             on_done(None)
         return None

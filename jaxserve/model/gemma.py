@@ -107,7 +107,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
             local = rope_cos_sin(positions, inverse_frequencies(local_config))
         return {FULL: full[0], SLIDING: local[0]}, {FULL: full[1], SLIDING: local[1]}
 
-    def logits(self, hidden: jax.Array, tp_axis: Axis = None) -> jax.Array:
-        logits = super().logits(hidden, tp_axis)
+    def logits(self, hidden: jax.Array, tp_axis: Axis = None, float32: bool = True) -> jax.Array:
         cap = self.config.final_logit_softcap
-        return logits if cap is None else cap * jnp.tanh(logits / cap)
+        if cap is None:
+            return super().logits(hidden, tp_axis, float32)
+        logits = super().logits(hidden, tp_axis)  # the soft cap is computed in float32 either way
+        return cap * jnp.tanh(logits / cap)

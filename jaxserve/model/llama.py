@@ -162,12 +162,15 @@ class LlamaForCausalLM(nnx.Module):
 
         return layer_loop.run_layers(self.layers, self.layer_repeats, x, kv_cache, write_index, attend, run_layer)
 
-    def logits(self, hidden: jax.Array, tp_axis: Axis = None) -> jax.Array:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+    def logits(self, hidden: jax.Array, tp_axis: Axis = None, float32: bool = True) -> jax.Array:
+        """hidden [N, hidden_size] -> logits [N, vocab_size]: float32, or with `float32=False` in the LM head's
+        own dtype (for a caller that only compares them or converts them itself: a bf16 head's logits are
+        half the bytes, and converting them is exact)."""
         if self.config.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
         elif not self.config.has_lm_head:
             raise ValueError("this model was loaded without its LM head (a pooling runner): it has no logits")
         else:
             logits = self.lm_head(hidden)
-        return parallel.gather_vocab(logits, tp_axis, self.config.vocab_size).astype(jnp.float32)
+        logits = parallel.gather_vocab(logits, tp_axis, self.config.vocab_size)
+        return logits.astype(jnp.float32) if float32 else logits

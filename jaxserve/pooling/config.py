@@ -23,7 +23,7 @@ from jaxserve.json_files import read_json_object
 logger = logging.getLogger(__name__)
 
 RUNNERS = ("auto", "generate", "pooling")
-# The pooling kind of a sequence row, as the step program reads it (`StepBatch.pooling`).
+# The pooling kind of a sequence row, as the pool head reads it (`execution/heads/pool.py: PoolBatch.kind`).
 LAST, MEAN, CLS = 0, 1, 2
 POOLING_TYPES = {"LAST": LAST, "MEAN": MEAN, "CLS": CLS}
 # sentence-transformers' `1_Pooling/config.json` switches -> our pooling types (the others are refused).

@@ -47,6 +47,11 @@ class PooledPrompt:
         return cls(kind, normalize, params.dimensions)
 
     @property
+    def setting(self) -> int:
+        """What the pool head's batch field gets for each of the request's spans (`PoolBatch.kind`)."""
+        return self.kind
+
+    @property
     def needs_every_token(self) -> bool:
         """Mean and CLS pooling read hidden states of the prompt's start: no prefix-cache hits for them."""
         return self.kind != LAST

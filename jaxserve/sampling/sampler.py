@@ -43,7 +43,8 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
-    """logits [slots, vocab] float32 -> token ids [slots] int32."""
+    """logits [slots, vocab] (float32, or the LM head's bf16: greedy rows only compare them, sampled ones
+    are drawn from them converted to float32) -> token ids [slots] int32."""
     greedy_tokens = greedy(logits)
     # The sort below costs a vocab-sized sort per row: skip it when every row is greedy.
     return jax.lax.cond(jnp.any(params.temperature > 0),
@@ -53,7 +54,7 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
 
 def _sample_filtered(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    scaled = logits / temperature[:, None]
+    scaled = logits.astype(jnp.float32) / temperature[:, None]
     # The filters cost a vocab-sized sort per row: skip it when no row sets one (vLLM's defaults). A row
     # without filters keeps every token on either branch, so what its neighbours ask never changes its draw.
     filtering = (params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0)

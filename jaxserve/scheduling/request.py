@@ -16,9 +16,9 @@ import dataclasses
 import enum
 import itertools
 import time
+from typing import Protocol
 
 from jaxserve.outputs import PositionLogprobs
-from jaxserve.pooling.params import PooledPrompt
 from jaxserve.sampling.closing import GrammarState
 from jaxserve.sampling.params import BiasTable, SamplingParams, bias_table, seed_words
 from jaxserve.scheduling.prefix_cache import PageKey
@@ -46,11 +46,18 @@ class OutputState:
     prompt_logprobs_sent: bool = False
 
 
+class HeadState(Protocol):
+    """What a request for an output head that draws nothing keeps: its settings and partial result
+    (`jaxserve/execution/heads/`)."""
+    setting: int  # its per-sequence input of the head, copied into each of its spans (`ScheduledSeq.head_setting`)
+    needs_every_token: bool  # the head reads every prompt token's hidden state: no prefix-cache hits
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     request_id: str  # the caller's id, shared by the request's choices
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: a request whose result is not drawn tokens (`head_state` says what)
     seed: int
     max_len: int  # prompt + completion may not exceed this (max_tokens and the context, combined)
     index: int = 0  # which of the request's n choices
@@ -90,14 +97,16 @@ class Request:
     # Speculative decoding: tokens a proposer drafted after the last known one, to be verified by the
     # next step (scheduled as part of its span; none are proposed yet).
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
-    pooling: PooledPrompt | None = None  # a pooling request: how to pool its prompt, and the rows so far
+    # A request of an output head that draws nothing: its settings and partial result, which only that
+    # head's host update reads and writes (`execution/heads/`); None: its tokens are drawn.
+    head_state: HeadState | None = None
     key: int = dataclasses.field(default_factory=lambda: next(_keys))  # unique: arrival order, and the steps' name
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         self.seed_words = seed_words(self.seed)
-        self.bias: BiasTable = bias_table(self.params)
+        self.bias: BiasTable = bias_table(self.params) if self.params is not None else ((), (), ())
 
     @property
     def arrival(self) -> int:
@@ -124,7 +133,24 @@ class Request:
     @property
     def constrained(self) -> bool:
         """Its draws follow a grammar: each needs the token before it known on the host (for the mask)."""
-        return self.params.structured_outputs is not None
+        return self.params is not None and self.params.structured_outputs is not None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It asked for prompt logprobs."""
+        return self.params is not None and self.params.prompt_logprobs is not None
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Every prompt token must go through a step, so no prefix-cache hits: a repetition penalty marks them,
+        prompt logprobs score them, an output head may read them all (`HeadState.needs_every_token`)."""
+        if self.head_state is not None:
+            return self.head_state.needs_every_token
+        return self.params.repetition_penalty != 1 or self.scores_prompt
+
+    @property
+    def cache_salt(self) -> str | None:
+        return None if self.params is None else self.params.cache_salt
 
     @property
     def is_prefilling(self) -> bool:

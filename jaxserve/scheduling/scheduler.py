@@ -201,7 +201,7 @@ class Scheduler:
         start = request.num_computed
         last = start + n == request.prefill_target
         targets = None
-        if request.params.prompt_logprobs is not None:  # each row scores the prompt token after it
+        if request.scores_prompt:  # each row scores the prompt token after it
             targets = tuple(request.token_ids[start + 1:min(start + n + 1, request.num_prompt_tokens)])
         seq = self._seq(request, start, n, tuple(request.token_ids[start:start + n]), is_prefill=True,
                         first_chunk=start == request.admitted_at, prompt_targets=targets,
@@ -220,7 +220,7 @@ class Scheduler:
         new_pages = tuple(request.pages[request.num_pages_sent:])
         request.num_pages_sent = len(request.pages)
         params = request.params
-        suppress = request.suppress_ids if 0 <= sample_step < params.min_tokens else ()
+        suppress = request.suppress_ids if request.suppress_ids and 0 <= sample_step < params.min_tokens else ()
         return ScheduledSeq(key=request.key, epoch=request.epoch, slot=request.slot, start=start, num_tokens=n,
                             token_ids=tokens, prev_row=prev_row, new_pages=new_pages, new_in_slot=new_in_slot,
                             first_chunk=first_chunk, is_prefill=is_prefill, sample_step=sample_step,
@@ -228,7 +228,7 @@ class Scheduler:
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
                             prompt_targets=prompt_targets, lora_slot=request.lora_slot,
-                            pooling=request.pooling.kind if request.pooling is not None else 0)
+                            head_setting=request.head_state.setting if request.head_state is not None else 0)
 
     @staticmethod
     def _mark_drawn(request: Request, row: int) -> None:
@@ -296,11 +296,7 @@ class Scheduler:
 
     def _cached_prefix(self, request: Request, target: int) -> list[int]:
         """Pages of the longest cached prefix usable for the first `target` tokens of the request."""
-        params = request.params
-        if self.prefix_cache is None or params.repetition_penalty != 1 or params.prompt_logprobs is not None \
-                or (request.pooling is not None and request.pooling.needs_every_token):
-            # A repetition penalty (prompt logprobs, mean or CLS pooling) needs every prompt token to go
-            # through a step.
+        if self.prefix_cache is None or request.needs_every_token:
             return []
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
@@ -423,6 +419,6 @@ class Scheduler:
 
 
 def _extra_keys(request: Request) -> tuple:
-    salt = request.params.cache_salt
+    salt = request.cache_salt
     keys = ("salt", salt) if salt is not None else ()
     return keys + request.lora.key if request.lora is not None else keys

@@ -6,8 +6,9 @@
    when speculative drafts are verified) and everything the batch builder needs to fill the device batch
    (sampling settings, the first-chunk flag, prompt-logprob targets). It holds no request objects and no
    arrays: the runner turns it into the device batch, `update_from_output` reads it back.
-2. `SampledTokens` is what the device answered, on the host: per sequence row up to K + 1 tokens and how
-   many of them stand (accepted), and the log-probabilities when some sequence asked for them.
+2. `SampledTokens` is what the draw head's device step answered, on the host: per sequence row up to
+   K + 1 tokens and how many of them stand (accepted), and the log-probabilities when some sequence asked
+   for them. (Another output head brings its own result type: `jaxserve/execution/heads/`.)
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ class ScheduledSeq:
     num_draft_tokens: int = 0  # the span's last tokens are drafts to verify: one draw after each, plus one
     constrained: bool = False  # its draws follow a grammar mask
     num_prompt_tokens: int = 0
-    params: SamplingParams
+    params: SamplingParams | None  # None: a span whose result is not drawn tokens (another output head's)
     seed_words: tuple[int, int] = (0, 0)
     bias: BiasTable = NO_BIAS  # static logit_bias / allowed_token_ids entries
     suppress_ids: tuple[int, ...] = ()  # masked for this draw: EOS and stop tokens before min_tokens
     prompt_targets: tuple[int, ...] | None = None  # prompt logprobs: the prompt token after each span row
-    pooling: int = 0  # pooling runner: how the step pools the span (jaxserve/pooling/config.py's kinds)
+    head_setting: int = 0  # the output head's per-sequence input (`HeadState.setting`), for a head that has one
     lora_slot: int = 0  # the device slot of its LoRA adapter; 0: the base model alone
 
     @property
@@ -124,13 +125,11 @@ class SampledTokens:
     tokens: np.ndarray  # [rows, draws] int32: row r's accepted tokens first (draws = 1 + the most drafts)
     num_accepted: np.ndarray  # [rows] int32: how many of row r's tokens stand; 0 where it drew nothing
     fetch_logprobs: Callable[[], SampleLogprobs] | None = None  # copies them to the host when asked
-    pooled: np.ndarray | None = None  # [rows, hidden] float32: each row's pooled hidden states (pooling runner)
 
     @classmethod
     def one_per_row(cls, samples: np.ndarray, step: StepPlan,
-                    fetch_logprobs: Callable[[], SampleLogprobs] | None = None,
-                    pooled: np.ndarray | None = None) -> SampledTokens:
+                    fetch_logprobs: Callable[[], SampleLogprobs] | None = None) -> SampledTokens:
         """One draw per sequence that samples (no drafts): samples [>= rows] int32, row r for seqs[r]."""
         rows = len(step.seqs)
         accepted = np.fromiter((seq.samples for seq in step.seqs), np.int32, rows)
-        return cls(samples[:rows, None], accepted, fetch_logprobs, None if pooled is None else pooled[:rows])
+        return cls(samples[:rows, None], accepted, fetch_logprobs)

@@ -9,8 +9,9 @@
    choice ends the row: tokens after it are dropped, and a stop string that ends inside the span cuts
    the text there. Then it frees what finished and offers the pages the step filled to the prefix cache.
 3. A draw for a request that finished, was aborted or was preempted after the step was planned is
-   discarded (its epoch moved on). A pooling request draws nothing: each chunk's pooled row is folded
-   into it, and the chunk that ends its prompt finishes it with an `EmbeddingRequestOutput`.
+   discarded (its epoch moved on). That is `live_rows`, which an output head that draws nothing walks
+   with its own result in its host update (`jaxserve/execution/heads/`), as `update_from_output` walks
+   the draws: the step's result reaches the requests in one place either way.
 4. It returns a `RequestOutput` per choice that progressed, carrying what is new (text that became
    final, token ids, their log-probabilities when asked for) and, once the choice is finished, the whole
    result. Nothing on the way copies a choice's whole output, so host work follows what changed.
@@ -19,12 +20,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from jaxserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput, logprob_entries
-from jaxserve.pooling.params import EmbeddingOutput, EmbeddingRequestOutput, PooledPrompt
 from jaxserve.sampling.closing import GrammarState, fill_masks
 from jaxserve.sampling.grammar import GrammarCompiler
 from jaxserve.sampling.params import SamplingParams
@@ -33,8 +33,6 @@ from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step import SampledTokens, SampleLogprobs, ScheduledSeq, StepPlan
 from jaxserve.scheduling.stop_strings import apply_stop_strings
-
-_POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class RequestTracker:
@@ -81,13 +79,6 @@ class RequestTracker:
         choices[0].forks = choices[1:]
         return choices
 
-    def new_pooling_request(self, prompt_ids: list[int], pooling: PooledPrompt, request_id: str,
-                            prompt: str | None) -> list[Request]:
-        """A pooling request as the one choice the scheduler runs: its prompt is prefilled and pooled, and
-        the draw that would follow is never made (greedy settings only fill the step's sampling rows)."""
-        return [Request(request_id, prompt_ids, _POOLING_SAMPLING, seed=0, max_len=len(prompt_ids) + 1,
-                        prompt=prompt, pooling=pooling)]
-
     def add(self, choices: list[Request]) -> None:
         self.choices[choices[0].request_id] = choices
         for request in choices:
@@ -101,14 +92,15 @@ class RequestTracker:
         outputs = []
         for request in list(self.choices.get(request_id, ())):
             if request.key in self.requests:
-                self._finish(request, "abort")
+                self.finish(request, "abort")
                 outputs.append(self._output(request, "", []))
         return outputs
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def finish(self, request: Request, reason: str) -> None:
+        """End a live choice (frees its slot and pages) and count it."""
         self.scheduler.finish(request, reason)
         del self.requests[request.key]
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
@@ -131,37 +123,29 @@ class RequestTracker:
         wants = any((seq.samples and seq.params.logprobs is not None) or seq.prompt_targets is not None
                     for seq in step.seqs)
         results = sampled.fetch_logprobs() if wants and sampled.fetch_logprobs is not None else None
-        outputs, first_row = [], 0
-        for row, seq in enumerate(step.seqs):
-            request = self.requests.get(seq.key)
-            first_row += seq.num_tokens
-            if request is None or request.epoch != seq.epoch:
-                continue  # finished, aborted or preempted since the step was planned
+        outputs = []
+        first_rows = np.cumsum([0] + [seq.num_tokens for seq in step.seqs]) if results is not None else None
+        for row, seq, request in self.live_rows(step):
             if results is not None and seq.prompt_targets is not None:
-                self._record_prompt_logprobs(request, seq, first_row - seq.num_tokens, results)
-            if request.pooling is not None:
-                outputs.extend(self._pool(request, seq, sampled.pooled[row]))
-            elif seq.samples:
+                self._record_prompt_logprobs(request, seq, int(first_rows[row]), results)
+            if seq.samples:
                 accepted = int(sampled.num_accepted[row])
                 if seq.num_draft_tokens:
                     self.stats.count_drafts(seq.num_draft_tokens, accepted - 1)
                 self.scheduler.accept_draws(request, seq, accepted)
                 outputs.append(self._advance(request, sampled.tokens[row, :accepted], row, results))
-            # The step wrote the K/V of its tokens: later readers run after it on the device.
-            self.scheduler.register_full_pages(request)
         return outputs
 
-    def _pool(self, request: Request, seq: ScheduledSeq, pooled: np.ndarray) -> list[EmbeddingRequestOutput]:
-        """Fold a chunk's pooled row into its request; the chunk that ends the prompt finishes it."""
-        request.pooling.add(pooled, seq.first_chunk, seq.start, last_chunk=seq.samples)
-        if not seq.samples:
-            return []
-        self.scheduler.accept_draws(request, seq, 0)
-        vector = request.pooling.finish(request.num_prompt_tokens)
-        self._finish(request, "stop")
-        return [EmbeddingRequestOutput(request.request_id, EmbeddingOutput(vector.tolist()), request.prompt_ids,
-                                       prompt=request.prompt, queue_seconds=request.queue_seconds,
-                                       num_cached_tokens=request.num_cached_tokens or 0)]
+    def live_rows(self, step: StepPlan) -> Iterator[tuple[int, ScheduledSeq, Request]]:
+        """(row, span, request) of each span whose request still runs as planned (one that finished, was
+        aborted or was preempted since is skipped); after each, the pages the step filled for it are offered
+        to the prefix cache (the step wrote their K/V: later readers run after it on the device)."""
+        for row, seq in enumerate(step.seqs):
+            request = self.requests.get(seq.key)
+            if request is None or request.epoch != seq.epoch:
+                continue
+            yield row, seq, request
+            self.scheduler.register_full_pages(request)
 
     def _advance(self, request: Request, tokens: np.ndarray, row: int,
                  results: SampleLogprobs | None) -> RequestOutput:
@@ -185,7 +169,7 @@ class RequestTracker:
             text, reason = self._keep(request, token, entry)
             texts.append(text)
             if reason is not None:
-                self._finish(request, reason)
+                self.finish(request, reason)
                 break
         else:
             if request.grammar is not None:

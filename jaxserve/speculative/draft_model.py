@@ -4,8 +4,9 @@
    tables: a sequence's draft K/V lives in the same page ids as its target K/V, in the draft's own arrays.
    So the target's allocator, prefix cache and preemption govern both, and nothing else is kept per
    request.
-2. After each target step is dispatched, `observe` dispatches a draft program on the same device batch
-   and the target's draws, still on the device (no host round trip):
+2. After each target step is dispatched, `observe` dispatches a draft program on the same inputs (the
+   target's `StepInputs`: its batch buffers), the tokens the target ran and its draws, still on the device
+   (no host round trip):
    a. the draft model runs over the step's tokens (prompt chunks, pending tokens, drafts), writing their
       draft K/V exactly where the target wrote its own: the draft cache follows every token the target
       computes, prefill and recomputation after preemption included;
@@ -34,9 +35,11 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig, SpeculativeConfig
-from jaxserve.execution.batch import BatchLayout, StepBatch
+from jaxserve.execution.batch import BatchLayout
+from jaxserve.execution.heads.draw import DrawBatch
 from jaxserve.execution.programs import abstract
 from jaxserve.execution.runner import LaunchedStep
+from jaxserve.execution.step_io import StepInputs
 from jaxserve.loader.load import load_sharded
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.sampling.sampler import greedy
@@ -95,32 +98,29 @@ class DraftModelProposer:
 
     # ---- device side ------------------------------------------------------------------------------------
 
-    def _inputs(self, layout: BatchLayout):
+    def _inputs(self, layout: BatchLayout) -> tuple:
+        """A draft program's arguments after the parameters and the cache: the target step's inputs, the
+        tokens it ran [T], its draws [R, D] and how many stood [R] (R = max_num_seqs, D = draws per row)."""
         ints, floats = layout.empty()
         rows = self.runner.scheduler_config.max_num_seqs
-        return (abstract(self.params), abstract(self.kv_cache), jax.ShapeDtypeStruct((rows,), jnp.int32), ints,
-                floats, jax.ShapeDtypeStruct((rows, layout.draws), jnp.int32),
-                jax.ShapeDtypeStruct((rows,), jnp.int32))
+        return (StepInputs(ints, floats), np.zeros(layout.tokens, np.int32), np.zeros((rows, layout.draws), np.int32),
+                np.zeros(rows, np.int32))
 
     def warmup(self) -> None:
         """Compile both draft programs of every token bucket (counted as warm-up) and time each on an idle
         batch (twice, the faster counting: a program's first run pays a one-off cost)."""
         with self.events.counting(warmup=True):
             for bucket, layout in self.runner.layouts.items():
-                args = self._inputs(layout)
+                args = abstract(self._inputs(layout))
                 for drafting, program in self.programs.items():
-                    self._compiled[bucket, drafting] = program.lower(*args[:6], layout, args[6]).compile()
+                    self._compiled[bucket, drafting] = program.lower(abstract(self.params), abstract(self.kv_cache),
+                                                                     *args, layout).compile()
         for (bucket, drafting), program in self._compiled.items():
-            layout = self.runner.layouts[bucket]
-            ints, floats = layout.empty()
-            rows = self.runner.scheduler_config.max_num_seqs
-            zeros = [jax.device_put(np.zeros(shape, np.int32), self.device)
-                     for shape in ((rows,), (rows, layout.draws), (rows,))]
+            args = jax.device_put(self._inputs(self.runner.layouts[bucket]), self.device)
             times = []
             for _ in range(2):
                 start = time.perf_counter()
-                self.kv_cache, drafts = program(self.params, self.kv_cache, zeros[0], jax.device_put(ints, self.device),
-                                                jax.device_put(floats, self.device), zeros[1], zeros[2])
+                self.kv_cache, drafts = program(self.params, self.kv_cache, *args)
                 drafts.block_until_ready()
                 times.append(time.perf_counter() - start)
             self._seconds[bucket, drafting] = min(times)
@@ -132,15 +132,15 @@ class DraftModelProposer:
     def observe(self, launched: LaunchedStep, draft: bool) -> None:
         """Right after the target's step is dispatched: follow its tokens and, when the next step is to
         draft, draft from its draws."""
-        layout, draws = launched.layout, launched.results.draws
-        args = [jax.device_put(a, self.device) for a in (launched.prev_samples, launched.ints, launched.floats,
-                                                         draws.tokens, draws.accepted)]
+        layout, draws = launched.layout, launched.result.draws
+        inputs = StepInputs(launched.inputs.ints, launched.inputs.floats)  # the batch: no masks, no adapters
+        args = jax.device_put((inputs, launched.outputs.tokens, draws.tokens, draws.accepted), self.device)
         program = self._compiled.get((layout.tokens, draft))
         with self.events.counting():
             if program is not None:
-                self.kv_cache, drafts = program(self.params, self.kv_cache, *args[:4], args[4])
+                self.kv_cache, drafts = program(self.params, self.kv_cache, *args)
             else:
-                self.kv_cache, drafts = self.programs[draft](self.params, self.kv_cache, *args[:4], layout, args[4])
+                self.kv_cache, drafts = self.programs[draft](self.params, self.kv_cache, *args, layout)
         drafts.copy_to_host_async()
         self._observed = (launched.step, drafts)
         self._host_drafts = None
@@ -175,10 +175,10 @@ class DraftModelProposer:
         pass
 
 
-def _draft_step(params, kv_cache: KVCache, prev_samples, ints, floats, draw_tokens, layout: BatchLayout,
-                accepted, *, graphdef, attention, config: ModelConfig, page_size: int, k: int):
+def _draft_step(params, kv_cache: KVCache, inputs: StepInputs, tokens, draw_tokens, accepted, layout: BatchLayout,
+                *, graphdef, attention, config: ModelConfig, page_size: int, k: int):
     model = nnx.merge(graphdef, params)
-    batch: StepBatch = layout.unpack(ints, floats)
+    batch: DrawBatch = layout.unpack(inputs.ints, inputs.floats)
     scale = config.head_dim ** -0.5
 
     def forward(tokens, positions, write_index, kv, cu_q_lens, kv_lens):
@@ -190,11 +190,10 @@ def _draft_step(params, kv_cache: KVCache, prev_samples, ints, floats, draw_toke
         hidden, kv = model.run_layers(model.embed(tokens), cos, sin, kv, write_index, attend)
         return model.norm(hidden), kv
 
-    # a. The step's own tokens, where the target wrote them.
-    tokens = jnp.where(batch.from_prev >= 0, prev_samples[jnp.maximum(batch.from_prev, 0)], batch.tokens)
+    # a. The step's own tokens (as the target ran them), where the target wrote them.
     _, kv_cache = forward(tokens, batch.positions, batch.write_index, kv_cache, batch.cu_q_lens, batch.kv_lens)
 
-    rows = prev_samples.shape[0]
+    rows = accepted.shape[0]
     if k == 0:  # following the target's tokens only: the next step does not draft
         return kv_cache, jnp.zeros((rows, 0), jnp.int32)
 

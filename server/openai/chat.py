@@ -14,6 +14,8 @@
    name), apart from `content`; tools and structured outputs apply to the answer after it
    (server/replies/reader.py). `prepare_chat` is also the Responses API's way in
    (server/responses/routes.py).
+6. Image parts (`image_url`) go through server/openai/images.py: limits, loading, preprocessing and the
+   prompt's image tokens, up to the engine, which does not take images yet (a 400 that says so).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from jaxserve.scheduling.validation import CheckedRequest
 from server.http.errors import APIError, error_response, internal_error, request_id_of
 from server.http.sse import event_stream, sse
 from server.openai.output_json import Usage, chat_logprobs, prompt_logprobs_json, tool_call_delta_json, tool_call_json
-from server.openai.prompts import render_chat
+from server.openai.images import image_prompt
+from server.openai.prompts import render_chat, template_messages
 from server.openai.protocol import ChatCompletionRequest
 from server.openai.sampling import engine_requests
 from server.replies.reader import Piece, Replies
@@ -64,7 +67,10 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Prep
                        param="include_reasoning", code="unsupported_parameter")
     for i, m in enumerate(body.messages):
         ctx.model.prompt_fits(m.text, f"messages.{i}.content")
-    text = await run_in_threadpool(render_chat, ctx, body)
+    messages, images = template_messages(body)
+    if images:
+        await image_prompt(ctx, body, messages, images)  # refuses for now: the engine takes no images yet
+    text = await run_in_threadpool(render_chat, ctx, body, messages)
     ctx.model.prompt_fits(text, "messages")
     # The template writes any BOS itself: by default encode adds nothing more.
     ids = await run_in_threadpool(ctx.model.tokenizer.encode, text, body.add_special_tokens)
@@ -134,7 +140,7 @@ async def chat_route(ctx: ServingContext, request: Request) -> Response:
             if body.include_usage:
                 yield sse({**chunk, "choices": [], "usage": usage.as_dict()})
             yield "data: [DONE]\n\n"
-        return event_stream(events(), request_id_of(request))
+        return event_stream(events(), request_id_of(request), ctx.engine.if_never_read(results, places))
 
     finals: dict[int, CompletionOutput] = {}
     prompt_lps = None

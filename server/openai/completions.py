@@ -61,7 +61,8 @@ async def completions_route(ctx: ServingContext, request: Request) -> Response:
     results = ctx.engine.stream(request, checked, texts, envelope["id"], places)
     usage = Usage(prompt_ids)
     if body.stream:
-        return event_stream(_events(view, results, usage, envelope), request_id_of(request))
+        return event_stream(_events(view, results, usage, envelope), request_id_of(request),
+                            ctx.engine.if_never_read(results, places))
     finals: dict[int, CompletionOutput] = {}
     try:
         async for i, out in results:

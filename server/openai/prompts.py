@@ -6,23 +6,41 @@ messages (chat completions, the Responses API, embeddings, /tokenize).
    is missing is a 400 naming what to change.
 2. With continue_final_message the prompt ends right after the final (assistant) message's text, so the
    reply continues it.
+3. Image parts reach the template as `{"type": "image"}` (`template_messages`); only the routes that take
+   images (chat completions, the Responses API: server/openai/images.py) pass such messages in, the
+   others refuse them by name.
 """
 
 from __future__ import annotations
 
+from jaxserve.errors import InvalidParameter
+from jaxserve.multimodal.chat_parts import ImageSource, split_images
 from jaxserve.text.chat_template import ChatTemplateError
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest
 from server.serving.context import ServingContext
 
 
-def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> str:
+def template_messages(body: ChatCompletionRequest) -> tuple[list[dict], list[ImageSource]]:
+    """(the messages as the chat template takes them, the images they carry, in order)."""
+    try:
+        return split_images([m.for_template() for m in body.messages])
+    except InvalidParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def render_chat(ctx: ServingContext, body: ChatCompletionRequest, messages: list[dict] | None = None) -> str:
+    """The prompt text; `messages` from `template_messages` where the route takes images."""
     options = ctx.options
+    if messages is None:
+        messages, images = template_messages(body)
+        if images:
+            raise APIError(400, f"{images[0].field}: this route takes text only; images go to /v1/chat/completions "
+                                f"and /v1/responses", param=images[0].field, code="unsupported_parameter")
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise APIError(400, "request chat templates are disabled on this server (start it with "
                             "--trust-request-chat-template to allow them)", param="chat_template")
     template = body.chat_template or options.chat_template
-    messages = [m.for_template() for m in body.messages]
     try:
         text = ctx.model.tokenizer.apply_chat_template(
             messages, add_generation_prompt=body.add_generation_prompt, chat_template=template,

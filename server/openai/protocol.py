@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -44,7 +44,7 @@ _UNSUPPORTED = {
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (kv_transfer_params) is not supported"),
     "vllm_xargs": (None, "vllm_xargs extensions are not supported"),
-    "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (None, "mm_processor_kwargs is not supported (the checkpoint's processor files rule)"),
     "max_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not supported"),
     "repetition_min_count": (0, "repetition-pattern stopping is not supported"),
@@ -296,20 +296,36 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    """An OpenAI content part; a text model takes text parts only."""
+    """An OpenAI content part of text."""
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
 
 
+class ImageURL(BaseModel):  # unknown keys are ignored (pydantic's default), as in the parts above
+    url: str = Field(min_length=1)  # data:image/...;base64,..., http(s)://..., or file://... (--allowed-local-media-path)
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the checkpoint's processor decides the size
+
+
+class ImageURLPart(BaseModel):
+    """An OpenAI image part: `{"type": "image_url", "image_url": {"url": ...}}` (vision models only)."""
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool calls, names etc. pass through to the template
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict:
+        """The message as the chat template takes it: text parts joined, or, with images, the parts in
+        order (jaxserve/multimodal/chat_parts.py turns the image parts into the template's shape)."""
         data = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and not any(isinstance(p, ImageURLPart) for p in self.content):
             data["content"] = "".join(part.text for part in self.content)
         # An earlier reply's tool calls come back with their arguments as JSON text (OpenAI's shape); chat
         # templates write them with `tojson` or iterate over them, so they get the object.
@@ -324,7 +340,10 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        return self.for_template().get("content", "") or ""
+        """The message's text (its text parts, without images)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+        return self.content or ""
 
 
 class FunctionDefinition(BaseModel):

@@ -9,6 +9,9 @@
 // 3. Stop aborts the fetch: the server sees the connection close and ends the request. Regenerate
 //    replaces the last answer with a fresh one. The conversation is saved at each step, so a reload
 //    keeps it (an answer cut by the reload is marked stopped).
+// 4. Vision models (their /v1/models entry lists "image" among its input_modalities) show an image control:
+//    pick, paste or drop images; each is read as a data: URL and sent with the message as an OpenAI
+//    `image_url` part. For a text-only model the control is hidden and nothing is attached.
 
 import {AuthError, Client} from "./api.js";
 import {store} from "./store.js";
@@ -26,6 +29,7 @@ const state = {
   running: null,  // {controller, entry} while an answer streams
   apiKey: store.apiKey(),
   models: [],
+  attachments: [],  // data: URLs of the images the next message sends
 };
 const client = new Client(() => state.apiKey);
 
@@ -94,9 +98,16 @@ function requestBody(entry, fields) {
   if (entry.role === "completion") return {...body, prompt: entry.prompt};
   const before = state.history.chat.slice(0, state.history.chat.indexOf(entry));
   const messages = before.filter((m) => m.content || m.role === "user")
-                         .map((m) => ({role: m.role, content: m.content}));
+                         .map((m) => ({role: m.role, content: contentOf(m)}));
   const system = $("system").value;
   return {...body, messages: system ? [{role: "system", content: system}, ...messages] : messages};
+}
+
+// A message's content: its text, or with images OpenAI's parts (the images first, then the text).
+function contentOf(message) {
+  if (!message.images || !message.images.length) return message.content;
+  const parts = message.images.map((url) => ({type: "image_url", image_url: {url}}));
+  return message.content ? [...parts, {type: "text", text: message.content}] : parts;
 }
 
 async function run(entry, fields) {
@@ -151,7 +162,8 @@ async function run(entry, fields) {
 function send() {
   if (state.running) return;
   const text = $("prompt").value;
-  if (!text.trim()) return;
+  const images = takesImages() ? state.attachments : [];
+  if (!text.trim() && !images.length) return;
   let fields;
   try {
     fields = samplingFields();
@@ -162,8 +174,9 @@ function send() {
   const history = state.history[state.mode];
   let entry;
   if (state.mode === "chat") {
-    history.push({role: "user", content: text});
+    history.push(images.length ? {role: "user", content: text, images} : {role: "user", content: text});
     entry = {role: "assistant", content: ""};
+    setAttachments([]);
   } else {
     entry = {role: "completion", prompt: text, content: ""};
   }
@@ -237,6 +250,50 @@ function save(mode) {
   store.saveHistory(mode, state.history[mode]);
 }
 
+// ---- images (vision models) -------------------------------------------------------------------------
+
+function takesImages() {
+  const model = state.models.find((m) => m.id === $("model").value);
+  return Boolean(model && (model.input_modalities || []).includes("image"));
+}
+
+function refreshImageControls() {
+  $("image-controls").hidden = !takesImages();
+  if (!takesImages()) setAttachments([]);
+}
+
+function setAttachments(urls) {
+  state.attachments = urls;
+  const shown = urls.map((url, i) => {
+    const item = document.createElement("span");
+    const image = document.createElement("img");
+    image.src = url;
+    image.alt = `image ${i + 1} to send`;
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", `remove image ${i + 1}`);
+    remove.addEventListener("click", () => setAttachments(state.attachments.filter((_, j) => j !== i)));
+    item.append(image, remove);
+    return item;
+  });
+  $("attachments").replaceChildren(...shown);
+}
+
+// Image files (picked, pasted or dropped) -> data: URLs appended to the attachments.
+async function attach(files) {
+  const images = [...files].filter((file) => file.type.startsWith("image/"));
+  if (!images.length || !takesImages()) return false;
+  const urls = await Promise.all(images.map((file) => new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  })));
+  setAttachments([...state.attachments, ...urls]);
+  return true;
+}
+
 // ---- models and the API key ----------------------------------------------------------------------------
 
 async function loadModels() {
@@ -260,6 +317,7 @@ async function loadModels() {
   select.replaceChildren(...state.models.map((m) => new Option(m.id, m.id)));
   if (state.models.some((m) => m.id === wanted)) select.value = wanted;
   const model = state.models.find((m) => m.id === select.value);
+  refreshImageControls();
   setStatus(model && model.max_model_len ? `context ${model.max_model_len} tokens` : "ready");
 }
 
@@ -312,7 +370,33 @@ function wire() {
     radio.checked = radio.value === state.mode;
     radio.addEventListener("change", () => radio.checked && setMode(radio.value));
   }
-  $("model").addEventListener("change", () => store.saveModel($("model").value));
+  $("model").addEventListener("change", () => {
+    store.saveModel($("model").value);
+    refreshImageControls();
+  });
+  $("image-file").addEventListener("change", async (e) => {
+    await attach(e.target.files);
+    e.target.value = "";  // the same file may be picked again
+  });
+  $("prompt").addEventListener("paste", (e) => {
+    const files = e.clipboardData ? e.clipboardData.files : [];
+    if (files.length && takesImages()) {
+      e.preventDefault();
+      attach(files);
+    }
+  });
+  $("composer").addEventListener("dragover", (e) => {
+    if (!takesImages()) return;
+    e.preventDefault();
+    $("composer").classList.add("dropping");
+  });
+  $("composer").addEventListener("dragleave", () => $("composer").classList.remove("dropping"));
+  $("composer").addEventListener("drop", (e) => {
+    $("composer").classList.remove("dropping");
+    if (!takesImages() || !e.dataTransfer) return;
+    e.preventDefault();
+    attach(e.dataTransfer.files);
+  });
   $("settings-form").addEventListener("submit", (e) => e.preventDefault());
   $("settings-form").addEventListener("input", (e) => {
     saveSettings();

@@ -2,7 +2,8 @@
 // answer can add markup, run a script or load a resource: the page shows exactly the characters sent.
 //
 // An entry is plain data (what store.js keeps):
-//   chat:       {role: "user" | "assistant", content, reasoning?, state?, error?, stats?}
+//   chat:       {role: "user" | "assistant", content, images?, reasoning?, state?, error?, stats?}
+//               (images: the data: URLs a user message sent, shown as pictures; img-src allows data: only)
 //   completion: {role: "completion", prompt, content, state?, error?, stats?}
 // state is "streaming", "done", "stopped" or "error"; stats is {ttftMs, tokens, tokensPerSecond, finish}.
 
@@ -24,7 +25,14 @@ export function render(entry) {
   reasoning.append(element("summary", "", "Reasoning"), element("div", "reasoning-text"));
   const content = element("div", "content");
   if (entry.role === "completion") content.append(element("span", "prompt"), element("span", "generated"));
-  node.append(reasoning, content, element("p", "error"), element("p", "stats"));
+  const thumbs = element("div", "thumbs");
+  for (const url of entry.images || []) {
+    const image = element("img");
+    image.alt = "image sent";
+    image.src = url;
+    thumbs.append(image);
+  }
+  node.append(reasoning, thumbs, content, element("p", "error"), element("p", "stats"));
   update(node, entry);
   return node;
 }

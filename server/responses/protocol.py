@@ -285,18 +285,28 @@ _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "ref
                "summary_text": "text", "reasoning_text": "text"}
 
 
-def _text(content, where: str) -> str:
-    """A message's content (a string, or text parts) as text; other parts are refused by name."""
+def _text(content, where: str) -> str | list[dict]:
+    """A message's content (a string, or text parts) as text; with `input_image` parts, chat content parts
+    (text and `image_url`) in order. Other parts are refused by name."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}: a string or a list of content parts is required", param=where)
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"{where}.{j}.image_url: an input_image needs its image_url (file_id is not "
+                                    f"supported)", param=f"{where}.{j}.image_url", code="unsupported_parameter")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            continue
         key = _TEXT_PARTS.get(kind)
         if key is None or not isinstance(part.get(key), str):
-            raise APIError(400, f"{where}.{j}: {kind!r} parts are not supported: this model reads text",
-                           param=f"{where}.{j}.type", code="unsupported_parameter")
-        texts.append(part[key])
-    return "".join(texts)
+            raise APIError(400, f"{where}.{j}: {kind!r} parts are not supported: this server reads text and "
+                                f"input_image parts", param=f"{where}.{j}.type", code="unsupported_parameter")
+        parts.append({"type": "text", "text": part[key]})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)

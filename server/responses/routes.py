@@ -69,7 +69,8 @@ async def responses_route(ctx: ServingContext, store: ResponseStore, request: Re
     run = _Run(ctx, store, body, conversation, prepared, Events(enabled=bool(body.stream)))
     results = ctx.engine.stream(request, [prepared.request], [prepared.text], run.id, places)
     if body.stream:
-        return sse_response(_events(run, results, request_id_of(request)))
+        return sse_response(_events(run, results, request_id_of(request)),
+                            ctx.engine.if_never_read(results, places))
     try:
         async for _, out in results:
             run.add(out)

@@ -3,14 +3,15 @@ what it runs.
 
 1. `require_ready`: 503 while the model loads and compiles, and once the engine has failed.
 2. `check` and `check_pooling` are the engine's check of one prompt (`Engine.check_request`,
-   `Engine.check_pooling`: the limits that depend on the model and the engine's sizes; call them on a
+   `Engine.pooling.check`: the limits that depend on the model and the engine's sizes; call them on a
    worker thread, since a new grammar compiles there and an adapter is read). What the engine refuses is a
    400 naming the parameter. Handlers check every prompt of a request before they run any, and the engine
    queues what passed as it is: each prompt is checked once.
 3. `stream` runs a request's checked prompts at once and yields (prompt index, output) as outputs arrive;
    `embed_all` runs an embedding request's inputs and returns their outputs in order. Both count tokens
    and latencies into the metrics, abort the engine requests once the client goes away, and give the
-   request's queue places back when they end. The engine ids are fresh, or, when the client chose the
+   request's queue places back when they end (`if_never_read`: also when a streamed response ends before it
+   read the stream at all, which then never started). The engine ids are fresh, or, when the client chose the
    response's id (--enable-request-id-headers), start with it, so the logs carry it, followed by a random
    part as vLLM adds one: the engine keys its state by id, and two requests may carry the same.
 4. `abort_all` ends every running request (finish_reason "abort"): the end of a shutdown's grace period.
@@ -19,8 +20,9 @@ what it runs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 
@@ -69,7 +71,7 @@ class EngineClient:
                       prompt_param: str = "input") -> CheckedPooling:
         """`prompt_param`: the request's name for its prompt, which the engine calls `prompt`."""
         try:
-            return self._async_engine.engine.check_pooling(prompt_ids, params)
+            return self._async_engine.engine.pooling.check(prompt_ids, params)
         except InvalidParameter as e:
             raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param) from None
 
@@ -124,6 +126,16 @@ class EngineClient:
                 task.cancel()
             self._live.difference_update(request_ids)
             places.release()
+
+    @staticmethod
+    def if_never_read(results: AsyncIterator, places: Places) -> Callable[[], None]:
+        """For a streamed response's end: `places` back if it never read `results` (the client went away
+        before the first byte, and Starlette never started the body), whose own `finally` gives them back
+        otherwise. Nothing was submitted to the engine then: `stream` submits on its first read."""
+        def release() -> None:
+            if inspect.getasyncgenstate(results) == inspect.AGEN_CREATED:
+                places.release()
+        return release
 
     async def embed_all(self, request: Request, checked: list[CheckedPooling], texts: list[str | None],
                         places: Places) -> list:

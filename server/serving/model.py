@@ -5,7 +5,8 @@
 2. `adapter_for(model)` is what a request's `model` names: None for the base model, a loaded LoRA adapter,
    or a 404 that lists what this server serves. The reply's `model` is the name the checked request runs
    under (`served_name`), so an adapter unloaded meanwhile cannot change it.
-3. `prompt_fits` refuses, before tokenizing, a text too long for the context; `truncate` applies a
+3. `image_inputs` reads the checkpoint's image processor once, when first asked (jaxserve/multimodal/).
+4. `prompt_fits` refuses, before tokenizing, a text too long for the context; `truncate` applies a
    request's `truncate_prompt_tokens`.
 """
 
@@ -15,6 +16,7 @@ from jaxserve.builtin_models import describe as describe_model
 from jaxserve.entrypoints.async_engine import AsyncEngine
 from jaxserve.lora.manager import LoRAManager
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.prompt import ImageInputs
 from jaxserve.scheduling.validation import CheckedRequest
 from jaxserve.text.tokenizer import Tokenizer
 from server.http.errors import APIError
@@ -25,6 +27,7 @@ class ServedModel:
         self._async_engine = async_engine
         # Characters a text prompt may have before tokenizing it is pointless (see prompt_fits).
         self.max_prompt_chars: int | None = None
+        self._image_inputs: ImageInputs | None = None
 
     @property
     def _engine(self):
@@ -61,6 +64,18 @@ class ServedModel:
     def tokenizer(self) -> Tokenizer:
         """encode, decode, token_str and the chat template (`apply_chat_template`)."""
         return self._engine.tokenizer
+
+    @property
+    def image_inputs(self) -> ImageInputs:
+        """The request side of images: the checkpoint's image processor (none for a text-only model), the
+        media flags, the per-prompt limit."""
+        if self._image_inputs is None:
+            self._image_inputs = ImageInputs.from_args(self._engine.args, self.name)
+        return self._image_inputs
+
+    @property
+    def takes_images(self) -> bool:
+        return self.image_inputs.takes_images
 
     @property
     def lora(self) -> LoRAManager | None:
