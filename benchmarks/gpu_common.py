@@ -1,5 +1,5 @@
 """The run state and helpers that both parts of the GPU script (`gpu_kernels.py`, sections 1-4 and main();
-`gpu_engine_step.py`, section 5) share.
+`gpu_engine_section.py` and `gpu_engine_step.py`, section 5) share.
 
 1. `gpu_kernels.main()` sets the run state from the command line: INTERPRET (--interpret), TIMING (one call
    each when interpreting), BUDGET (--time-budget), and empties COPY. Read it as `gpu_common.INTERPRET` etc.:
@@ -10,7 +10,8 @@
    `measure_copy` times the device-to-device copy whose GB/s (kept in COPY) every later ratio divides by.
 4. `record_check` turns a kernel output and its reference into a pass/fail check row, printed as it goes.
 5. `profile_summary` runs a few calls under `jax.profiler` and sums the trace's events per process and name:
-   on a GPU the device's kernels, per step, which is where a step's time goes.
+   on a GPU the device's kernels, per step, which is where a step's time goes; `device_share` turns it into
+   a row's device busy time, its share of the wall time, and the kernels' own fraction of the copy's speed.
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ def profile_summary(run, calls: int, top: int = 12, wait=None) -> dict:
     return dict(wall_ms=wall_ms, processes={
         where: dict(busy_ms=sum(t.values()), top=[[name, ms, counts[where][name]] for name, ms in t.most_common(top)])
         for where, t in totals.items()})
+
+
+def device_process(profile: dict) -> tuple[str, dict] | None:
+    """The busiest accelerator process of a profile (its name, summary), or None (a CPU run has none). A GPU
+    may show several (streams); the busiest is the one the step's kernels run on."""
+    devices = [(where, p) for where, p in profile["processes"].items() if "GPU" in where or "TPU" in where]
+    return max(devices, key=lambda d: d[1]["busy_ms"]) if devices else None
+
+
+def device_share(profile: dict, min_bytes: float, copy_gbs: float) -> dict:
+    """A profiled step's row fields: the profile, and where a device ran it, the device's busy time per step,
+    its share of the wall time under the profiler (far below 1: the host keeps the device waiting), and the
+    step's least bytes over the busy time as a fraction of the copy's speed (the kernels' own pace, with the
+    host's gaps taken out)."""
+    found = device_process(profile)
+    if found is None:
+        return dict(profile=profile)
+    where, summary = found
+    busy_ms = summary["busy_ms"]
+    return dict(profile=profile, device=where, device_busy_ms=busy_ms, busy_of_wall=busy_ms / profile["wall_ms"],
+                device_ratio=min_bytes / (busy_ms / 1e3) / 1e9 / copy_gbs if busy_ms else float("nan"))
 
 
 def print_profile(label: str, profile: dict) -> None:

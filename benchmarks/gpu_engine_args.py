@@ -13,7 +13,7 @@ E2E_TINY = dict(e2e_layers=2, e2e_hidden=64, e2e_heads=4, e2e_kv_heads=2, e2e_he
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--e2e-*` options (and --e2e-tiny, whose defaults are E2E_TINY) of the script's command line."""
-    from jaxserve.config import LAYER_LOOPS
+    from jaxserve.config import LAYER_LOOPS, QUANTIZED_MATMULS
     e2e = parser.add_argument_group("end to end (a random Llama-3-8B-shaped model through the engine)")
     e2e.add_argument("--e2e-tiny", action="store_true",
                      help="tiny defaults for every --e2e-* size (a CPU dry run; explicit flags still win)")
@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--e2e-quantization-strategy", choices=["weight_only", "dynamic_int8", "dynamic_fp8"],
                      default=None, help="how the quantized layers multiply (default: the backend's pick, "
                                         "jaxserve.quantization.linear.default_strategy)")
+    e2e.add_argument("--e2e-quantized-matmul", choices=list(QUANTIZED_MATMULS), default="auto",
+                     help="weight-only quantized products: XLA's, the Pallas kernels (up to 64 rows), or auto "
+                          "(the engine times both per shape at start; issue 52): the int8 parts force each")
     e2e.add_argument("--e2e-kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                      help="KV pages of the timed model: int8 / fp8 codes with a scale per token and head")
     e2e.add_argument("--e2e-layer-loop", choices=list(LAYER_LOOPS), default="auto",
@@ -51,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "smallest default bucket, 16 for bf16 on a GPU, as a server would run them)")
     e2e.add_argument("--e2e-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     e2e.add_argument("--e2e-profile-batches", type=int, nargs="*", default=[1, 16],
-                     help="decode rows whose steps are also profiled after timing (jax.profiler; the busiest "
-                          "kernels per step, printed and in the JSON)")
+                     help="decode rows whose steps are also profiled after timing (jax.profiler; the device's "
+                          "busy time against the wall time and the busiest kernels per step, printed and in "
+                          "the JSON)")
     e2e.add_argument("--e2e-profile-steps", type=int, default=8, help="steps under the profiler")
     e2e.add_argument("--e2e-decode-batches", type=int, nargs="+", default=[1, 16, 64],
                      help="running sequences of each decode row")

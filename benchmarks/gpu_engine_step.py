@@ -1,4 +1,5 @@
-"""Section 5 of the GPU script (`gpu_kernels.py --sections e2e`, `--e2e-*` knobs): a random model of
+"""Section 5 of the GPU script (`gpu_kernels.py --sections e2e`, `--e2e-*` knobs; its rows in order:
+`gpu_engine_section.py`): a random model of
 Llama-3-8B's shape (hidden 4096, 32/8 heads x 128, intermediate 14336, vocab 128256, rope theta 500000, untied
 head; `--e2e-layers N` fewer layers) in bf16, built by the engine's own path (`build_from_module` + `Engine`,
 the platform's default attention: the Triton kernel on GPU, forced to the same kernel in interpret mode on CPU).
@@ -13,21 +14,26 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
    Decode (`E2EModel.decode`) at 1, 16 and 64 running sequences, each with 1024 tokens of context prefilled
    through the engine: windows of 64 back-to-back `Engine.step()` calls (host work and asynchronous scheduling
    included; the device is waited for only around each window), median of 3. Reports ms/step, tokens/s, and
-   GB/s = (the measured model's parameter bytes, embedding table excluded, + the K/V bytes of every sequence's
-   context) per step, over step time; ratio = that over the copy GB/s of the same run (`gpu_common.COPY`,
-   measured here if the decode section did not). Every figure is of the model actually built: with
-   --e2e-layers 8 it is a quarter of the layers' bytes, not an extrapolation to 32.
+   GB/s = the least bytes a step must move (the measured model's parameter bytes, embedding table excluded,
+   + the K/V bytes of every sequence's context read + its new tokens' K/V written) over step time; ratio =
+   that over the copy GB/s of the same run (`gpu_common.COPY`, measured here if the decode section did not),
+   issue 52's measure. Every figure is of the model actually built: with --e2e-layers 8 it is a quarter of
+   the layers' bytes, not an extrapolation to 32.
 4. Prefill (`E2EModel.prefill`): one 2048-token prompt on the idle engine (one step), tokens/s and useful
    TFLOP/s.
 5. Quantized variants (issue 27): `--e2e-quantization int8|fp8` (linear layers quantized at load; on a GPU
-   int8 runs dynamic int8, fp8 dynamic fp8 on the fp8 tensor cores; `--e2e-quantization-strategy weight_only`
-   keeps bf16 activations, the codes converted inside the matmul) and `--e2e-kv-cache-dtype int8|fp8`; the
-   byte counts are the engine's own (`Engine.precision`: codes, scales, 4-bit at half a byte).
+   int8 runs weight-only by default, bf16 activations and the codes converted inside the product, fp8
+   dynamic fp8 on the fp8 tensor cores; `--e2e-quantization-strategy` names another) and
+   `--e2e-kv-cache-dtype int8|fp8`; the byte counts are the engine's own (`Engine.precision`: codes, scales,
+   4-bit at half a byte). `--e2e-quantized-matmul xla|pallas` forces the weight-only products to XLA's or
+   to the Pallas kernels (issue 52; the default, auto, times both per shape at start).
 6. Layer loops (issue 28): `--e2e-layer-loop unroll|scan` (auto: unrolled on a GPU); the build+compile row
    is where the scan's compile time shows, the decode rows whether the scanned weights slow a step.
 7. Where a decode step's time goes: after its timed windows, the decode row of --e2e-profile-batches runs
    --e2e-profile-steps more steps under `jax.profiler`, and the trace's events are summed per process and
-   name (`gpu_common.profile_summary`): on a GPU, the device's busiest kernels per step.
+   name (`gpu_common.profile_summary`): on a GPU, the device's busiest kernels per step, its busy time
+   against the wall time, and the least bytes over the busy time as a fraction of the copy's speed
+   (`gpu_common.device_share`: whether the kernels or the host's gaps hold the step).
 8. Split keys: `--e2e-kv-splits N` builds the step programs with the Triton kernel's num_kv_splits=N (at
    most N: a sequence splits only into shares of at least 1024 keys); 1 turns the default split-K off.
 9. Mixtures of experts (issue 29): `--e2e-experts E` builds a Qwen3-MoE-shaped model (QK-norm, every layer
@@ -38,7 +44,8 @@ the platform's default attention: the Triton kernel on GPU, forced to the same k
 10. Speculation (issue 26): `--e2e-ngram K` runs the engine with n-gram drafts of up to K tokens; the
    decode rows' tok/s count the tokens made, drafts kept included (a random model's greedy output loops,
    which flatters n-gram drafts: the row shows the mechanics' cost and gain on the device, not a
-   workload's).
+   workload's). `drafts_per_step` is the drafts each sequence verified a step in the row's window: near K,
+   its steps are (K+1)-token verify steps, whose time against a plain decode step's is issue 52's target.
 """
 
 from __future__ import annotations
@@ -46,14 +53,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import gpu_common
-from gpu_common import check_budget, guarded, measure_copy
 
 CHECK_TOLERANCES = {  # logits rel. error, and the reference's top-2 margin (in row std) that excuses a flip
     "float32": (1e-3, 1e-3), "bfloat16": (5e-2, 0.1)}
@@ -225,6 +230,7 @@ class E2EModel:
                                  max_num_batched_tokens=budget, token_buckets=buckets,
                                  attention_backend=e2e_backend(), quantization=args.e2e_quantization,
                                  quantization_strategy=args.e2e_quantization_strategy,
+                                 quantized_matmul=args.e2e_quantized_matmul,
                                  kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop,
                                  speculative_config=None if not args.e2e_ngram else dict(
                                      method="ngram", num_speculative_tokens=args.e2e_ngram, prompt_lookup_min=2,
@@ -296,13 +302,16 @@ class E2EModel:
                     raise RuntimeError(f"{len(running)} sequences running, not {n} past their prompts")
                 kv_first = sum(r.num_computed + 1 for r in running)  # the next step's kv_lens, summed
                 jax.block_until_ready(engine.runner.kv_cache)
-                made, t0 = engine.stats.generation_tokens, time.perf_counter()
+                made, drafted = engine.stats.generation_tokens, engine.stats.spec_draft_tokens
+                t0 = time.perf_counter()
                 for _ in range(a.e2e_steps):
                     engine.step()
                 jax.block_until_ready(engine.runner.kv_cache)
                 t = (time.perf_counter() - t0) / a.e2e_steps
                 made = (engine.stats.generation_tokens - made) / a.e2e_steps  # n, or more with drafts kept
-                windows.append((t, kv_first + made * (a.e2e_steps - 1) / 2, made))  # mean KV tokens read
+                drafted = (engine.stats.spec_draft_tokens - drafted) / a.e2e_steps / n  # per sequence a step
+                # the mean KV tokens read, and the drafts each sequence verified a step
+                windows.append((t, kv_first + made * (a.e2e_steps - 1) / 2, made, drafted))
             profile = None
             if n in a.e2e_profile_batches:  # after the timed windows, so the profiler cannot slow them
                 def wait():  # the cache each step leaves (the old one is donated to the next step)
@@ -317,24 +326,30 @@ class E2EModel:
             for request_id in ids:
                 engine.abort(request_id)
             self.drain()
-        t, kv_tokens, made = sorted(windows)[len(windows) // 2]
+        t, kv_tokens, made, drafted = sorted(windows)[len(windows) // 2]
+        # The least a step must move (program_profile.py's minimum): the weights once (the embedding rows it
+        # gathers, the experts its tokens reach), every sequence's KV read, and the KV of its new tokens written.
         params_read = (self.param_bytes - self.embed_bytes + n * self.config.hidden_size * self.dtype.itemsize
                        - self.expert_bytes * (1 - expert_fraction_read(self.config, n)))
         kv_read = kv_tokens * self.kv_bytes_per_token
-        gbs = (params_read + kv_read) / t / 1e9
+        kv_written = n * (1 + drafted) * self.kv_bytes_per_token
+        min_bytes = params_read + kv_read + kv_written
+        gbs = min_bytes / t / 1e9
         copy_gbs = gpu_common.COPY.get("gbs", float("nan"))
         row = dict(ms=t * 1e3, tok_s=made / t, tokens_per_step=made, gbs=gbs, ratio=gbs / copy_gbs, seqs=n,
                    mean_context=kv_tokens / n, param_bytes_read=params_read, kv_bytes_read=kv_read,
+                   kv_bytes_written=kv_written, min_bytes=min_bytes,
                    steps_per_window=a.e2e_steps, window_ms=[w[0] * 1e3 for w in windows],
                    compiles_while_timed=engine.compilations_since_warmup - compiles,
                    token_bucket=engine.runner.compiler.layout_for(n).tokens,  # the program of a plain step
-                   **(dict(drafts=engine.stats.spec_draft_tokens, drafts_kept=engine.stats.spec_accepted_tokens)
-                      if a.e2e_ngram else {}),  # over the engine's life so far
-                   **({"profile": profile} if profile else {}))
-        per_sequence = f" ({made / n:.2f} tokens a sequence a step)" if a.e2e_ngram else ""
+                   **(dict(drafts=engine.stats.spec_draft_tokens, drafts_kept=engine.stats.spec_accepted_tokens,
+                           drafts_per_step=drafted) if a.e2e_ngram else {}),  # the first two: the engine's life
+                   **(gpu_common.device_share(profile, min_bytes, copy_gbs) if profile else {}))
+        per_sequence = (f" ({made / n:.2f} tokens a sequence a step, {drafted:.2f} drafts verified)"
+                        if a.e2e_ngram else "")
         print(f"  decode {n} seqs (context ~{kv_tokens / n:.0f}, {row['token_bucket']}-token step): "
               f"{t * 1e3:.2f} ms/step, {made / t:.0f} tok/s{per_sequence}, "
-              f"{gbs:.0f} GB/s of weights + KV ({row['ratio']:.2f} of copy)", flush=True)
+              f"{gbs:.0f} GB/s of its least bytes ({row['ratio']:.2f} of copy)", flush=True)
         return row
 
     def prefill(self) -> dict:
@@ -366,76 +381,3 @@ class E2EModel:
               flush=True)
         return dict(ms=t * 1e3, tok_s=tokens / t, tflops=flops / t / 1e12, times_ms=[x * 1e3 for x in times])
 
-
-def run_e2e(args, rows: list, checks: list) -> None:
-    """A random model of Llama-3-8B's shape in --e2e-dtype through the engine (`build_from_module` + `Engine`,
-    the platform's default attention): the kernel-vs-reference greedy check on a small model of the same head
-    layout first, then decode steps at --e2e-decode-batches running sequences and one prefill step."""
-    print(f"  greedy check: {args.e2e_check_layers}-layer model, prompts {args.e2e_check_prompts}, "
-          f"{args.e2e_check_steps} steps", flush=True)
-    for dtype_name in args.e2e_check_dtypes:
-        try:
-            check_budget()
-            e2e_check(args, dtype_name, checks)
-        except Exception as e:  # keep going: the timings below still say something, and the check shows FAIL
-            checks.append(dict(check=f"e2e greedy {dtype_name}", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
-            if not isinstance(e, TimeoutError):
-                traceback.print_exc()
-
-    if "gbs" not in gpu_common.COPY:  # the decode section did not run (or failed): measure the yardstick here
-        nbytes = args.e2e_copy_mib << 20
-        guarded(rows, "copy", f"{args.e2e_copy_mib} MiB", lambda: measure_copy(nbytes))
-
-    model: dict = {}
-
-    def build():
-        check_budget(reserve=0 if gpu_common.INTERPRET else build_reserve_s(args.e2e_layers))
-        m = model["m"] = E2EModel(args)
-        c = m.config
-        mlp = (f"{c.num_experts} experts (top {c.num_experts_per_tok}) of intermediate {c.moe_intermediate_size}"
-               if c.num_experts else f"intermediate {c.intermediate_size}")
-        print(f"  model: random {'Qwen3-MoE' if c.num_experts else 'Llama'}, hidden {c.hidden_size}, {c.num_layers} "
-              f"layers, {c.num_heads}/{c.num_kv_heads} heads x {c.head_dim}, {mlp}, vocab {c.vocab_size}: "
-              f"{m.param_bytes / m.dtype.itemsize / 1e9:.2f}B parameters = {m.param_bytes / 1e9:.2f} GB "
-              f"{m.dtype.name}; KV cache {m.kv_cache_bytes / 1e9:.2f} GB; attention {m.backend}; built in "
-              f"{m.build_s:.1f} s, {len(m.engine.runner.layouts)} step programs compiled in {m.warmup_s:.1f} s",
-              flush=True)
-        return dict(ms=(m.build_s + m.warmup_s) * 1e3, param_bytes=m.param_bytes, kv_cache_bytes=m.kv_cache_bytes,
-                    layers=c.num_layers, backend=m.backend, build_s=m.build_s, warmup_s=m.warmup_s,
-                    max_model_len=c.max_position_embeddings, buckets=list(m.engine.runner.layouts))
-
-    def idle_steps():
-        """Each bucket's program with no sequence in it (every token padding, no KV read): dispatch to samples
-        on the host, one call at a time. Its weights-and-sampler floor, beside the decode rows' engine steps,
-        and whether a one-token program is slower than a wider one (the 16-token padding on GPUs)."""
-        runner = need_model().engine.runner
-        times = {}
-        for bucket in runner.layouts:
-            runner.time_idle_step(bucket)  # warm
-            times[bucket] = float(np.median([runner.time_idle_step(bucket) for _ in range(args.e2e_repeats * 3)]))
-        print("  idle step (no sequences) per bucket: " + ", ".join(f"{b} tokens {t * 1e3:.2f} ms"
-                                                                   for b, t in times.items()), flush=True)
-        return dict(ms=min(times.values()) * 1e3, idle_ms={str(b): t * 1e3 for b, t in times.items()})
-
-    precision = f"{args.e2e_dtype}" + (f", {args.e2e_quantization} weights" if args.e2e_quantization else "") + (
-        f" {args.e2e_quantization_strategy}" if args.e2e_quantization and args.e2e_quantization_strategy else "") + (
-        f", {args.e2e_kv_cache_dtype} KV" if args.e2e_kv_cache_dtype != "auto" else "") + (
-        f", layers {args.e2e_layer_loop}" if args.e2e_layer_loop != "auto" else "") + (
-        f", kv_splits {args.e2e_kv_splits}" if args.e2e_kv_splits is not None else "") + (
-        f", {args.e2e_experts} experts top {args.e2e_experts_per_token}" if args.e2e_experts else "") + (
-        f", ngram {args.e2e_ngram}" if args.e2e_ngram else "") + (
-        f", ctx {args.e2e_context}" if args.e2e_context != 1024 else "")
-    guarded(rows, "e2e model", f"{args.e2e_layers}L {precision} build+compile", build)
-
-    def need_model():
-        if "m" not in model:
-            raise RuntimeError("no model: its build failed (see the 'e2e model' row)")
-        return model["m"]
-
-    guarded(rows, "e2e idle step", "per bucket, no sequences (ms: the fastest)", idle_steps)
-    for n in sorted(set(args.e2e_decode_batches)):
-        guarded(rows, "e2e decode", f"{n} seqs x ctx {args.e2e_context}, {args.e2e_layers}L",
-                lambda n=n: need_model().decode(n))
-    guarded(rows, "e2e prefill", f"{args.e2e_prefill}-token prompt, {args.e2e_layers}L",
-            lambda: need_model().prefill())
-    model.clear()  # the weights and the KV cache go before anything runs after this section

@@ -38,7 +38,8 @@ numbers; the JSON under $OUT is rewritten after each section, so a run cut short
 
 Files: this one holds sections 1-4, the command line and main(); gpu_common.py the run state and helpers
 both parts share (timing, the copy yardstick, the time budget, error rows, the profile summary);
-gpu_engine_step.py section 5, and gpu_engine_args.py its --e2e-* options.
+gpu_engine_section.py section 5's rows, gpu_engine_step.py its model, timings and check, and
+gpu_engine_args.py its --e2e-* options.
 
 Time (measured on an H200 on 2026-12-04, docs/performance.md): the kernel sections about 96 s, most of it
 Triton compiles; e2e with 8 layers 44-107 s (the check 10-30 s, random init 6-13 s, compiling the 4 step
@@ -72,7 +73,7 @@ import numpy as np  # noqa: E402
 
 import gpu_common  # noqa: E402
 import gpu_engine_args  # noqa: E402
-import gpu_engine_step  # noqa: E402
+import gpu_engine_section  # noqa: E402
 from gpu_common import DTYPE, bench, guarded, measure_copy, record_check  # noqa: E402
 from pallas_kernels import ragged_gpu  # noqa: E402
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES  # noqa: E402
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
     # The timed sections, in the order --sections names them; each appends rows of {bench, config, ms?, gbs?,
     # ratio?, tflops?, tok_s?, ...} or {bench, config, error}.
     runners = dict(decode=run_decode, prefill=run_prefill, mixed=run_mixed,
-                   e2e=lambda a, r: gpu_engine_step.run_e2e(a, r, checks))
+                   e2e=lambda a, r: gpu_engine_section.run_e2e(a, r, checks))
     for title in args.sections:
         print(f"{title}:", flush=True)
         t0 = time.perf_counter()
@@ -437,8 +438,8 @@ def main(argv=None) -> int:
         cell = lambda key, spec: format(r[key], spec) if key in r else ""
         print(f"{r['bench']:<22} {r['config']:<36} {cell('ms', '.3f'):>9} {cell('gbs', '.0f'):>7} "
               f"{cell('ratio', '.2f'):>6} {cell('tflops', '.1f'):>8} {cell('tok_s', '.0f'):>9}")
-    print("ratio: decode GB/s over the copy's (e2e: weights + KV read per step); mixed: one call over the sum of "
-          f"its two parts. {details['seconds']:.0f} s in all")
+    print("ratio: decode GB/s over the copy's (e2e: a step's least bytes, weights + KV read + written); mixed: one "
+          f"call over the sum of its two parts. {details['seconds']:.0f} s in all")
     return 1 if failed or errors else 0
 
 

@@ -3,7 +3,9 @@ layer, its time at the chip's roofline, against the least a step must move.
 
 1. The engine's real step program for a model's config.json (no weights: `jaxserve plan`'s path,
    `engine/sizing.py`), one token bucket (default: the decode bucket, the smallest holding every sequence),
-   compiled for `--target` by its own compiler here; on a GPU with XLA's dump on, for the launch sequence.
+   compiled for `--target` by its own compiler here; on a GPU with XLA's dump on, for the launch sequence,
+   and with the autotuning results a lease brought back from that chip where there are some
+   (`--autotune-results`, benchmarks/autotune/<chip>.txt): without them the GEMMs take untuned tiles.
 2. `jaxserve/execution/program_profile.py` reads the compiled HLO (and on a GPU the thunk sequence): each
    kernel in launch order, its bytes in and out, whether a command buffer (CUDA graph) runs it or the host
    launches it, its layer, its time estimate; a TPU's fusions, Mosaic calls and copies.
@@ -32,6 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only: no device of this
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "tests" / "fixtures" / "configs" / "llama-3-8b"
+AUTOTUNE_DIR = ROOT / "benchmarks" / "autotune"  # a lease's results per chip: h200.txt, h100.txt (README.md there)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--all", action="store_true", help="list every kernel in launch order")
     p.add_argument("--top", type=int, default=12, help="busiest kernels to list (default 12)")
+    p.add_argument("--autotune-results", default="auto", metavar="FILE|auto|none",
+                   help="XLA's autotuning results from a lease on the chip (what benchmarks/gpu_session.sh brings "
+                        "back): the GEMMs compile with the tiles and backend tuned there, not untuned defaults; "
+                        f"GPU targets only (auto, the default: {AUTOTUNE_DIR.relative_to(ROOT)}/<chip>.txt where "
+                        "the repository has one)")
+    p.add_argument("--autotune-complete", action="store_true",
+                   help="fail the compile where a GEMM fusion finds no entry in the results (XLA's "
+                        "xla_gpu_require_complete_aot_autotune_results): whether the file's keys (the GPU, the "
+                        "fusions, the XLA release) match this compile, which otherwise falls back to untuned tiles "
+                        "without a word")
     add_engine_args(p)
     p.set_defaults(model=str(DEFAULT_MODEL), max_num_seqs=16, max_model_len=2048)
     return p.parse_args(argv)
@@ -64,6 +77,18 @@ def model_dir(a: argparse.Namespace, scratch: Path) -> str:
     return str(scratch / "model")
 
 
+def autotune_file(a: argparse.Namespace, target) -> Path | None:
+    """The results file `--autotune-results` names for `target` (auto: the repository's for its chip, if any)."""
+    if a.autotune_results == "none" or (a.autotune_results == "auto" and target.chip.is_tpu):
+        return None
+    if target.chip.is_tpu:
+        raise SystemExit("--autotune-results: XLA autotunes GPU programs only; a TPU target takes none")
+    if a.autotune_results == "auto":
+        path = AUTOTUNE_DIR / f"{target.chip.name}.txt"
+        return path if path.exists() else None
+    return Path(a.autotune_results)
+
+
 def run(a: argparse.Namespace) -> dict:
     """Compile and profile the program `a` names: the report `--json` prints."""
     import jax
@@ -76,10 +101,20 @@ def run(a: argparse.Namespace) -> dict:
     from jaxserve.execution.program_profile import Assumptions, profile_program
     from jaxserve.execution.thunks import read_thunks
     from pallas_kernels.kv_quant import kv_quant_dtype
+    from sharding import autotune
     from sharding.chips import parse_target
     from sharding.compile_only import compile_devices, compile_options
 
     target = parse_target(a.target)
+    tuned = autotune_file(a, target)
+    try:
+        load, results = autotune.load_option(tuned) if tuned else ({}, None)
+    except autotune.AutotuneFileError as e:
+        raise SystemExit(f"--autotune-results: {e}") from None
+    if a.autotune_complete:
+        if not tuned:
+            raise SystemExit("--autotune-complete: no autotuning results to hold the compile to (--autotune-results)")
+        load[autotune.REQUIRE_COMPLETE_OPTION] = True
     with tempfile.TemporaryDirectory(prefix="program_profile_") as scratch:
         given, a.model = a.model, model_dir(a, Path(scratch))
         args = default_parallel(engine_args_from(a), target)
@@ -93,7 +128,7 @@ def run(a: argparse.Namespace) -> dict:
             raise SystemExit(f"--bucket {bucket}: this engine's token buckets are {buckets}")
         layout, c, plan = programs.layouts[bucket], built.model_config, built.model.plan
         context = min(a.context, built.scheduler_config.max_model_len)
-        options = dict(compile_options(target))
+        options = dict(compile_options(target), **load)
         if not target.chip.is_tpu:
             options["xla_dump_to"] = str(Path(scratch) / "dump")  # the thunk sequence: what the GPU launches
         with jax.default_device(devices[0]):
@@ -112,11 +147,13 @@ def run(a: argparse.Namespace) -> dict:
     written = bucket if bucket > args.max_num_seqs else layout.seqs
     minimum = {"weights": work.dense_bytes + int(work.expert_bytes * work.expert_fraction(written)),
                "kv_read": layout.seqs * context * kv_per_token, "kv_written": written * kv_per_token}
-    return report(a, target, built, args, profile, minimum, bucket, layout.seqs, context, compiler_name(target))
+    tuning = tuned and dict(file=str(tuned), entries=len(results.entries), devices=results.devices())
+    return report(a, target, built, args, profile, minimum, bucket, layout.seqs, context, compiler_name(target),
+                  tuning)
 
 
 def report(a, target, built, args, profile, minimum: dict, bucket: int, sequences: int, context: int,
-           compiler: str) -> dict:
+           compiler: str, autotune_results: dict | None = None) -> dict:
     import jax.numpy as jnp
     step, layers = profile.totals(), profile.by_layer()
     min_bytes = sum(minimum.values())
@@ -134,6 +171,7 @@ def report(a, target, built, args, profile, minimum: dict, bucket: int, sequence
         "quantization_strategy": quantization and quantization.strategy,
         "kv_cache_dtype": args.kv_cache_dtype, "layer_loop": "scan" if profile.loop_trips else "unroll",
         "bucket": bucket, "sequences": sequences, "context": context, "branches": a.branches,
+        "autotune_results": autotune_results,
         "kernels": step["kernels"], "kernels_per_layer": profile.kernels_per_layer(),
         "host_launched_kernels": step["host_launched_kernels"],
         "command_buffer_kernels": step["kernels"] - step["host_launched_kernels"] if profile.platform == "gpu" else 0,
@@ -163,7 +201,12 @@ def render(r: dict, a: argparse.Namespace) -> str:
              f"on {r['target']} ({r['chip']}), {r['compiler']}",
              f"program: token bucket {r['bucket']}; attention counted as {r['sequences']} sequence{'s' * (r['sequences'] != 1)} x {r['context']} "
              f"tokens of KV read; roofline {r['bandwidth_bytes_s'] / 1e12:.2f} TB/s, "
-             f"{r['peak_flops'] / 1e12:.0f} TFLOP/s", ""]
+             f"{r['peak_flops'] / 1e12:.0f} TFLOP/s"]
+    if gpu:
+        tuned = r["autotune_results"]
+        lines.append(f"GEMM tiles: tuned on a device ({tuned['file']}, {tuned['entries']} entries)" if tuned else
+                     "GEMM tiles: XLA's untuned defaults (no autotuning results from a device loaded)")
+    lines.append("")
     head = "| | kernels | " + ("host-launched | command buffers | " if gpu else "") + "bytes | est. time |"
     lines += [head, "|---" * (head.count("|") - 1) + "|"]
 

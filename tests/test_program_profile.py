@@ -9,11 +9,15 @@
    the JSON contract, counts that add up, the KV cache never counted whole, and bytes at or above the
    minimum (every weight is read at least once and attention reads what the minimum counts of the KV: a
    profile below the minimum has lost a kernel's bytes).
+3. XLA's autotuning results from a lease (`sharding/autotune.py`, `--autotune-results`): read, joined, and
+   refused with a clear error before any compile when a file is missing, empty or not XLA's text; a file
+   of the target's own key loaded into the H200 compile.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -231,7 +235,7 @@ def compiled(request, tmp_path_factory):
     model = write_config(tmp_path_factory.mktemp("tiny") / "llama", tiny_config("llama"))
     bench = _bench()
     argv = ["--model", str(model), "--target", request.param, "--max-num-seqs", "4", "--max-model-len", "256",
-            "--context", "64", "--json"]
+            "--context", "64", "--autotune-results", "none", "--json"]  # untuned, whatever benchmarks/autotune holds
     return request.param, bench.run(bench.parse_args(argv)), bench, argv
 
 
@@ -308,3 +312,91 @@ def test_the_table_lists_the_step_a_layer_and_the_busiest_kernels(compiled):
     assert "| step |" in text and "| minimum |" in text and "| a layer" in text
     assert "x the minimum: weights" in text and "busiest kernels" in text
     assert ("host-launched" in text) == (target == "h200")
+
+
+# XLA's autotuning results as a lease writes them (`XLA_FLAGS=--xla_gpu_dump_autotune_results_to=...txt`): a
+# version, then an entry per tuned fusion, whose HLO text holds braces and escaped quotes.
+RESULTS = '''version: 3
+results {
+  device: "CUDA: 9.0, Cores: 132, GPU clock: 1.98 GHz, Memory bandwidth: 4915 GB/s, L2 cache: 60 MB"
+  hlo: "(bf16[16,4096]{1,0}, bf16[4096,14336]{1,0}) -> bf16[16,14336]{1,0} { \\"dot\\" }"
+  result {
+    triton {
+      block_m: 16
+      block_n: 64
+    }
+  }
+}
+results {
+  device: "CUDA: 9.0, Cores: 132, GPU clock: 1.98 GHz, Memory bandwidth: 4915 GB/s, L2 cache: 60 MB"
+  hlo: "{ fused lm head }"
+  result {
+    gemm {
+      algorithm: 7
+    }
+  }
+}
+'''
+
+
+def test_autotune_results_are_read_merged_and_refused_with_a_clear_error(tmp_path):
+    """sharding/autotune.py: a lease's files joined one entry per device and fusion (the session script's
+    merge), and what no compile should be handed refused with a message naming the file and the fault."""
+    from sharding import autotune
+
+    first, second = tmp_path / "e2e8.txt", tmp_path / "int8x.txt"
+    first.write_text(RESULTS)
+    second.write_text(RESULTS.replace("{ fused lm head }", "{ int8 gate/up }") + "# a comment\n")
+    merged = autotune.merge([autotune.read_results(first), autotune.read_results(second)])
+    assert merged.scalars == {"version": "3"} and len(merged.entries) == 3
+    (device,) = merged.devices()
+    assert merged.devices()[device] == 3 and "Cores: 132" in device
+    again = autotune.AutotuneResults.parse(merged.text())
+    assert again.entries == merged.entries  # written back as XLA reads it
+    option, held = autotune.load_option(first)
+    assert option == {"xla_gpu_load_autotune_results_from": str(first.resolve())} and len(held.entries) == 2
+
+    faults = {"missing.txt": (None, "does not exist"), "empty.txt": ("\n", "is empty"),
+              "results.pb": (RESULTS, "ends in .txt or .textproto"), "bare.txt": ("# no fields\n", "holds no entries"),
+              "cut.txt": (RESULTS[:-20], "never closed"), "none.txt": ("version: 3\n", "holds no entries"),
+              "junk.txt": ("version: 3\n!!\n", "not a text proto")}
+    for name, (text, message) in faults.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(autotune.AutotuneFileError, match=re.escape(message)):
+            autotune.load_option(tmp_path / name)
+    with pytest.raises(autotune.AutotuneFileError, match="different versions"):
+        autotune.merge([merged, autotune.AutotuneResults({"version": "4"}, {})])
+    # another layout (newer XLA releases read xla.autotuner.AutotuneCache first): entries merged by their text
+    other = autotune.AutotuneResults.parse("entries { key { a: 1 } }\nentries { key { a: 2 } }\n")
+    assert len(autotune.merge([other, other]).entries) == 2 and other.devices() == {"(no device field)": 2}
+
+
+def test_the_static_profile_refuses_a_bad_autotune_file_before_compiling(tmp_path):
+    bench = _bench()
+    with pytest.raises(SystemExit, match="--autotune-results: autotune results file .* does not exist"):
+        bench.run(bench.parse_args(["--target", "h200", "--autotune-results", str(tmp_path / "h200.txt")]))
+    with pytest.raises(SystemExit, match="TPU target takes none"):
+        bench.run(bench.parse_args(["--target", "v6e-1", "--autotune-results", str(tmp_path / "h200.txt")]))
+
+
+def test_the_h200_compile_loads_a_lease_s_autotune_results(compiled, tmp_path):
+    """XLA reads the file named by --autotune-results while it compiles the H200 step (an unreadable one fails
+    the compile), and the report says what it held. These entries are keyed to another GPU and to no fusion
+    of this program, so XLA tunes nothing from them: the program's kernels are those of the untuned compile."""
+    target, untuned, bench, argv = compiled
+    if target != "h200":  # XLA autotunes GPU programs only: a TPU's report says nothing of GEMM tiles
+        assert untuned["autotune_results"] is None and "GEMM tiles" not in bench.render(untuned, bench.parse_args(argv))
+        return
+    path = tmp_path / "h200.txt"
+    path.write_text(RESULTS)
+    a = bench.parse_args(argv + ["--autotune-results", str(path)])
+    r = bench.run(a)
+    (device,) = r["autotune_results"]["devices"]
+    assert r["autotune_results"] == {"file": str(path), "entries": 2, "devices": {device: 2}}
+    assert [k["name"] for k in r["kernel_list"]] == [k["name"] for k in untuned["kernel_list"]]
+    assert f"GEMM tiles: tuned on a device ({path}, 2 entries)" in bench.render(r, a)
+    assert "GEMM tiles: XLA's untuned defaults" in bench.render(untuned, a)
+    # held to the file, the compile fails on the first fusion it has no entry for
+    with pytest.raises(Exception, match="No cached config found for HLO instr"):
+        bench.run(bench.parse_args(argv + ["--autotune-results", str(path), "--autotune-complete"]))
