@@ -11,12 +11,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 from jaxserve.config_families import FULL, SLIDING, family_fields, text_config
-from jaxserve.json_files import read_json_object
+from jaxserve.json_files import json_object_option, read_json_object
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 # `--kv-cache-dtype`: "auto" keeps float pages of the model's dtype; int8 / fp8 (e4m3) pages carry a float32
@@ -377,14 +376,7 @@ class SpeculativeConfig:
         "[ngram]" (or "ngram") means the ngram method, and a model without a method is a draft model."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("speculative_config must be a JSON object")
-        fields = dict(value)
+        fields = dict(json_object_option(value, "speculative_config", '{"method": "ngram", ...}'))
         if fields.get("model") in ("[ngram]", "ngram") and fields.get("method") in (None, "ngram"):
             fields.pop("model")
             fields["method"] = "ngram"

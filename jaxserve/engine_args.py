@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from jaxserve.builtin_models import RANDOM_DEMO_MODEL, directory_of, is_random_demo, resolve_model
 from jaxserve.config import (KV_CACHE_DTYPES, QUANTIZATION_METHODS, QUANTIZED_MATMULS, SpeculativeConfig,
                              validate_scheduling_options)
-from jaxserve.json_files import read_json_object
+from jaxserve.json_files import json_object_option, read_json_object
 from jaxserve.pooling.config import RUNNERS, parse_pooler_overrides
 
 if TYPE_CHECKING:
@@ -177,13 +177,7 @@ def parse_mm_limits(value) -> dict[str, int]:
     to limit."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--limit-mm-per-prompt {value!r} is not JSON (e.g. '{{\"image\": 4}}'): {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--limit-mm-per-prompt must be a JSON object such as {{\"image\": 4}}, got {value!r}")
+    value = json_object_option(value, "--limit-mm-per-prompt", '{"image": 4}')
     limits = {}
     for modality, limit in value.items():
         count = limit.get("count") if isinstance(limit, dict) else limit

@@ -134,7 +134,7 @@ def test_media_flags_as_vllm_spells_them(tmp_path):
     assert inputs.policy.fetch_timeout_s == 3 and inputs.limit == 2
     assert EngineArgs().image_limit == 16
     assert parse_mm_limits({"image": {"count": 3, "width": 512}}) == {"image": 3}
-    for bad, match in (('{"image": -1}', "count >= 0"), ("image=2", "not JSON"), ('{"picture": 1}', "modality"),
+    for bad, match in (('{"image": -1}', "count >= 0"), ("image=2", "not valid JSON"), ('{"picture": 1}', "modality"),
                        ("[1]", "JSON object")):
         with pytest.raises(ValueError, match=match):
             parse_mm_limits(bad)

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from jaxserve.errors import InvalidParameter
-from jaxserve.json_files import read_json_object
+from jaxserve.json_files import json_object_option, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,7 @@ def parse_pooler_overrides(overrides: dict | str | None) -> dict:
     """`--pooler-config` as vLLM spells it: JSON with `pooling_type` and `normalize`; other keys refused."""
     if overrides is None:
         return {}
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except ValueError as e:
-            raise ValueError(f"--pooler-config must be JSON, e.g. '{{\"pooling_type\": \"MEAN\"}}': {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {overrides!r}")
+    overrides = json_object_option(overrides, "pooler_config", '{"pooling_type": "MEAN"}')
     unknown = sorted(set(overrides) - set(_OVERRIDABLE))
     if unknown:
         raise ValueError(f"pooler_config: {', '.join(unknown)} not supported (supported: {', '.join(_OVERRIDABLE)})")
