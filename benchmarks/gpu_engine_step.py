@@ -232,9 +232,11 @@ class E2EModel:
                                  quantization_strategy=args.e2e_quantization_strategy,
                                  quantized_matmul=args.e2e_quantized_matmul,
                                  kv_cache_dtype=args.e2e_kv_cache_dtype, layer_loop=args.e2e_layer_loop,
+                                 # every draft found is verified (vLLM's way): the part times the verify
+                                 # step, which the engine's pricing may rightly not choose on a tiny model
                                  speculative_config=None if not args.e2e_ngram else dict(
                                      method="ngram", num_speculative_tokens=args.e2e_ngram, prompt_lookup_min=2,
-                                     prompt_lookup_max=4))
+                                     prompt_lookup_max=4, adaptive_drafting=False))
         t0 = time.perf_counter()
         built = e2e_build(engine_args, c, self.dtype, seed=0)
         # the kernel with split keys (if asked for) in the step programs the engine compiles

@@ -47,7 +47,7 @@ async def read_body(request: Request, schema: type[Body]) -> Body:
     try:
         body = schema.model_validate(data)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e, data) from None
     except RecursionError:
         raise APIError(400, "request body is nested too deeply") from None
     if body.unknown_fields:

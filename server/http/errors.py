@@ -66,13 +66,35 @@ def check_strings(value, path: str = "") -> None:
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's names for union members
 
 
-def validation_error(e: ValidationError) -> APIError:
-    """The first error as a 400 naming its field; a field refused by name (UnsupportedField) says why."""
+def validation_error(e: ValidationError, data=None) -> APIError:
+    """The first error as a 400 naming its field; a field refused by name (UnsupportedField) says why.
+    `data`: what was validated, when the caller has it: the field's path is then read against it, which
+    drops what pydantic adds to a location that the client never wrote (a tagged union's tag: a text part's
+    `text` is `messages.0.content.0.text`, not `...content.0.text.text`)."""
     for error in e.errors():
         refused = (error.get("ctx") or {}).get("error")
         if isinstance(refused, UnsupportedField):
             return APIError(400, f"{refused.param}: {refused}", param=refused.param, code="unsupported_parameter")
     # For a union field pydantic reports one error per alternative: the deepest says the most.
     error = max(e.errors(), key=lambda err: len(err["loc"]))
-    param = ".".join(str(p) for p in error["loc"] if not _UNION_TAG.match(str(p))) or None
+    loc = [p for p in error["loc"] if not _UNION_TAG.match(str(p))]
+    param = ".".join(str(p) for p in (_written(loc, data) if data is not None else loc)) or None
     return APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param)
+
+
+def _written(loc: list, data) -> list:
+    """The steps of `loc` that name a key or an index of `data` as the client sent it."""
+    kept = []
+    for n, step in enumerate(loc):
+        if isinstance(data, dict):
+            if step not in data:
+                if n == len(loc) - 1:
+                    kept.append(step)  # the missing field itself
+                continue  # a union's tag, not a field
+            data = data[step]
+        elif isinstance(data, list) and isinstance(step, int) and 0 <= step < len(data):
+            data = data[step]
+        else:
+            break  # past a value the client sent (a tag named like its field comes first)
+        kept.append(step)
+    return kept
