@@ -27,7 +27,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig
@@ -137,7 +136,7 @@ class ModelRunner:
     def _new_state(self) -> StepState:
         """The state's arrays, zeros created in place on their devices (the sampler state has a row per slot
         and a scratch row for padding: jaxserve/sampling/logits.py)."""
-        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, a.sharding), self.programs.state)
+        return jax.tree.map(_zeros_of, self.programs.state)
 
     @property
     def state(self) -> StepState:
@@ -158,8 +157,7 @@ class ModelRunner:
     def forget_samples(self) -> None:
         """The previous step was warm-up's or a timing's: no request reads its samples (fresh zeros, since
         the samples are donated with the rest of the state)."""
-        self._state = dataclasses.replace(self.state, samples=zeros(self.programs.state.samples.shape, jnp.int32,
-                                                                    self.programs.state.samples.sharding))
+        self._state = dataclasses.replace(self.state, samples=_zeros_of(self.programs.state.samples))
 
     def _all_allowed(self, rows: int) -> np.ndarray:
         return np.full((rows, self.mask_words), -1, np.int32)
@@ -274,3 +272,8 @@ class ModelRunner:
         results = jax.tree.map(to_host, out.result)
         return ManualStep(results.draws.tokens[:len(step.seqs), 0], to_host(out.outputs.logits),
                           [slice(a, b) for a, b in zip(bounds, bounds[1:])], results)
+
+
+def _zeros_of(abstract: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of an abstract state array, created in place on its devices."""
+    return zeros(abstract.shape, abstract.dtype, abstract.sharding)
