@@ -151,32 +151,6 @@ def test_speculative_served_summary_pairs_rounds_and_flags_levels_under_the_targ
     assert table.endswith("ngram / off under 0.97x: m retold 16 (0.95x)")
 
 
-def test_gpu_script_builds_a_mixture_of_experts_and_counts_the_experts_its_steps_reach(capsys, monkeypatch,
-                                                                                        tmp_path):
-    """--e2e-experts (the session script's moe8 part, at tiny size): a Qwen3-MoE-shaped model through the
-    engine, its greedy check on the dense model of the same heads (top-k routing would turn a rounding
-    difference into another expert), and decode rows whose weight bytes count only the experts a step's
-    tokens are expected to reach: fewer at one sequence than at two."""
-    bench = load("gpu_kernels")
-    engine_step = load("gpu_engine_step")
-    monkeypatch.setenv("OUT", str(tmp_path))
-    argv = ["--interpret", "--e2e-tiny", "--sections", "e2e", "--skip-checks", "--e2e-layers", "2",
-            "--e2e-check-dtypes", "float32", "--e2e-decode-batches", "1", "2", "--e2e-repeats", "1",
-            "--e2e-experts", "8", "--e2e-experts-per-token", "2", "--e2e-moe-intermediate", "32",
-            "--e2e-profile-batches"]
-    assert bench.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "random Qwen3-MoE" in out and "8 experts (top 2)" in out
-    details = json.loads((tmp_path / "gpu_kernels.json").read_text())
-    (check,) = details["checks"]
-    assert check["ok"]
-    one, two = [r for r in details["timings"] if r["bench"] == "e2e decode"]
-    assert 0 < one["param_bytes_read"] < two["param_bytes_read"]
-    config = engine_step.e2e_config(bench.parse_args(argv), 2, 512, 64)
-    assert engine_step.expert_fraction_read(config, 1) == pytest.approx(2 / 8)
-    assert engine_step.expert_fraction_read(config, 2) == pytest.approx(1 - (6 / 8) ** 2)
-
-
 def test_gpu_script_speculates_and_counts_the_drafts_that_stand(capsys, monkeypatch, tmp_path):
     """--e2e-ngram (the session script's spec8 part, at tiny size): prompts of a repeated phrase give the
     lookup n-grams, drafts are verified in the engine's steps, and the decode row's tokens per second count
@@ -206,22 +180,47 @@ def run_gpu_session(tmp_path, **env) -> tuple[str, str]:
 
 
 # The session script's engine parts at tiny sizes in interpret mode (later flags win over each part's own):
-# Llama's and Qwen3-30B-A3B's shapes shrunk alike, so moe8's 128 experts are 16 wide.
-# One layer, one decode row of one sequence (profiled), the fewest steps: about 25 s a part on this machine.
+# Llama's and Qwen3-30B-A3B's shapes shrunk alike, so moe8's 128 experts are 16 wide (and dense8a is e2e8's
+# model). One layer, one decode row of one sequence (profiled), the fewest steps.
 TINY_SESSION = ("--interpret --e2e-tiny --e2e-hidden 64 --e2e-heads 4 --e2e-kv-heads 2 --e2e-vocab 512 "
                 "--e2e-intermediate 128 --e2e-moe-intermediate 16 --e2e-experts-per-token 2 --e2e-layers 1 "
                 "--e2e-decode-batches 1 --e2e-repeats 1 --e2e-steps 2 --e2e-warmup-steps 1 --e2e-profile-batches 1")
+ENGINE_PARTS = ["e2e8", "int8x", "int8p", "spec8", "moe8", "dense8a"]  # the script's default parts, qmm last
+
+
+def session_part_args(part: str) -> list[str]:
+    """The flags benchmarks/gpu_session.sh gives `part`: its own part_args function (and the variables it
+    reads), run by bash on its own."""
+    script = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    definitions = script[script.index("\nE2E8="):script.index("\npart_limit()")]
+    done = subprocess.run(["bash", "-c", definitions + '\npart_args "$1"', "bash", part], capture_output=True,
+                          text=True, check=True)
+    return done.stdout.split()
+
+
+def check_engine_part(part: str, details: dict, seqs: tuple[int, ...] = (1,)) -> list[dict]:
+    """What every engine part of a session leaves: no error row, a decode row per count in `seqs` (the one
+    of one sequence profiled) that compiled nothing while timed, its least bytes the sum of what it reads and
+    writes. Returns the decode rows."""
+    assert not [r for r in details["timings"] if "error" in r], part
+    decode = [r for r in details["timings"] if r["bench"] == "e2e decode"]
+    assert [r["seqs"] for r in decode] == list(seqs) and "profile" in decode[0], part
+    for r in decode:
+        assert r["compiles_while_timed"] == 0, part
+        assert r["min_bytes"] == pytest.approx(r["param_bytes_read"] + r["kv_bytes_read"] + r["kv_bytes_written"]), part
+    return decode
 
 
 def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path):
-    """benchmarks/gpu_session.sh, what a lease's first device call runs (issue 52, item 4), dry-run on CPU:
-    every default part runs in its own process, in order, under the one deadline; session.json gathers
-    their details, and the table of the issue's targets prints last with a line for each comparison: the
-    bf16 step against the copy's speed, int8 weight-only with XLA's products and with the Pallas kernels
-    against bf16, the verify step against the one-token step, MoE against dense, the int8 kernels."""
-    out, log = run_gpu_session(tmp_path, DEADLINE="840", GPU_EXTRA_ARGS=TINY_SESSION,
+    """benchmarks/gpu_session.sh, what a lease's first device call runs (issue 52, item 4), dry-run on CPU
+    with one part of each kind (an engine part through gpu_kernels.py, with the greedy check, and qmm through
+    quantized_matmul_kernels.py): each runs in its own process, in order, under the one deadline; session.json
+    gathers their details, and the table of the issue's targets prints last. The other engine parts' flags
+    run in one process below (test_gpu_session_engine_parts_give_the_table_its_comparisons), a process each
+    here would cost a JAX start and an engine's compile apiece."""
+    out, log = run_gpu_session(tmp_path, DEADLINE="840", GPU_PARTS="e2e8 qmm", GPU_EXTRA_ARGS=TINY_SESSION,
                                GPU_QMM_ARGS="--tiny --interpret --shapes gate/up --rows 16")
-    parts = ["e2e8", "int8x", "int8p", "spec8", "moe8", "dense8a", "qmm"]
+    parts = ["e2e8", "qmm"]
     ends = [log.index(f"== {part}: exit 0") for part in parts]
     assert ends == sorted(ends), log[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", "session.log"]  # no autotuning on CPU
@@ -230,14 +229,53 @@ def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path)
     e2e8 = session["parts"]["e2e8"]
     (check,) = e2e8["checks"]  # the attention kernel against the reference, in bf16; the other parts skip it
     assert check["ok"] and "bfloat16" in check["check"]
-    assert all(not d.get("checks") for part, d in session["parts"].items() if part not in ("e2e8", "qmm"))
-    for part in parts[:-1]:
-        details = session["parts"][part]
-        assert not [r for r in details["timings"] if "error" in r], part
-        (decode,) = [r for r in details["timings"] if r["bench"] == "e2e decode"]
-        assert decode["seqs"] == 1 and decode["compiles_while_timed"] == 0 and "profile" in decode
-        assert decode["min_bytes"] == pytest.approx(
-            decode["param_bytes_read"] + decode["kv_bytes_read"] + decode["kv_bytes_written"])
+    check_engine_part("e2e8", e2e8)
+    (qmm,) = session["parts"]["qmm"]["rows"]
+    assert qmm["rows"] == 16 and qmm["error_vs_reference"] < 1e-2
+
+    table = out[out.index("== done in"):]
+    assert "| measured | value | target | verdict |" in table and "no results from" not in table
+    for line in ("| bf16 step, 1 seq: least bytes / time, of copy |",
+                 "| int8 kernel vs XLA, gate/up 256x512, 16 rows |"):
+        assert line in table, line
+    assert "MISSED; holds it: no device profile" in table  # a CPU run's bf16 step is far from a GPU's copy speed
+
+
+def test_gpu_session_engine_parts_give_the_table_its_comparisons(capsys, monkeypatch, tmp_path):
+    """Every default engine part of the session with the flags the script gives it (read from the script),
+    at TINY_SESSION's size, in this process: the details merged as the script merges them, and the table's
+    line for each comparison: the bf16 step against the copy's speed, int8 weight-only with XLA's products
+    and with the Pallas kernels against bf16, the verify step against the one-token step, MoE against
+    dense. (e2e8's greedy check ran in the script's own test above; here e2e8 gives the baseline rows.)
+
+    moe8 also decodes 2 sequences and runs the greedy check in float32: a Qwen3-MoE-shaped model through the
+    engine, checked on the dense model of the same heads (top-k routing would turn a rounding difference
+    into another expert), and decode rows whose weight bytes count only the experts a step's tokens are
+    expected to reach: fewer at one sequence than at two."""
+    bench, summary, engine_step = load("gpu_kernels"), load("gpu_session_summary"), load("gpu_engine_step")
+    work, out = tmp_path / "work", tmp_path / "out"
+    extra = {"e2e8": ["--e2e-check-dtypes"],
+             "moe8": ["--e2e-check-dtypes", "float32", "--e2e-decode-batches", "1", "2"]}
+    for part in ENGINE_PARTS:
+        monkeypatch.setenv("OUT", str(work / part))
+        argv = session_part_args(part) + TINY_SESSION.split() + extra.get(part, [])
+        assert bench.main(argv) == 0, part
+        if part == "moe8":
+            printed = capsys.readouterr().out
+            assert "random Qwen3-MoE" in printed and "128 experts (top 2)" in printed
+            config = engine_step.e2e_config(bench.parse_args(argv), 1, 512, 64)
+            assert engine_step.expert_fraction_read(config, 1) == pytest.approx(2 / 128)
+            assert engine_step.expert_fraction_read(config, 2) == pytest.approx(1 - (126 / 128) ** 2)
+    out.mkdir()
+    session = summary.merge(work, out, ENGINE_PARTS)
+    assert list(session["parts"]) == ENGINE_PARTS
+    (check,) = session["parts"]["moe8"]["checks"]
+    assert check["ok"] and "float32" in check["check"]
+    assert not any(d.get("checks") for part, d in session["parts"].items() if part != "moe8")
+    for part in ENGINE_PARTS:
+        decode = check_engine_part(part, session["parts"][part], seqs=(1, 2) if part == "moe8" else (1,))
+        if part == "moe8":
+            assert 0 < decode[0]["param_bytes_read"] < decode[1]["param_bytes_read"]
     models = {part: next(r for r in session["parts"][part]["timings"] if r["bench"] == "e2e model")["config"]
               for part in ("int8x", "int8p")}
     assert "int8 weights weight_only, xla products" in models["int8x"]
@@ -246,16 +284,13 @@ def test_gpu_session_script_runs_its_parts_in_order_under_one_deadline(tmp_path)
     assert "drafts_per_step" in spec
     idle = next(r for r in session["parts"]["spec8"]["timings"] if r["bench"] == "e2e idle step")
     assert idle["idle_verify_ms"].keys() == idle["idle_ms"].keys()  # each bucket with drafts verified too
-    (qmm,) = session["parts"]["qmm"]["rows"]
-    assert qmm["rows"] == 16 and qmm["error_vs_reference"] < 1e-2
 
-    table = out[out.index("== done in"):]
+    table = summary.table(session, ENGINE_PARTS)
     assert "| measured | value | target | verdict |" in table and "no results from" not in table
     for line in ("| bf16 step, 1 seq: least bytes / time, of copy |", "| int8 weight-only (XLA) vs bf16, 1 seq |",
                  "| int8 weight-only (Pallas) vs bf16, 1 seq |", "| verify step (K=4) vs one-token step, 1 seq |",
-                 "| MoE vs dense of its active size, 1 seq |", "| int8 kernel vs XLA, gate/up 256x512, 16 rows |"):
+                 "| MoE vs dense of its active size, 1 seq |"):
         assert line in table, line
-    assert "MISSED; holds it: no device profile" in table  # a CPU run's bf16 step is far from a GPU's copy speed
 
 
 def test_gpu_session_script_skips_the_parts_its_deadline_leaves_no_time_for(tmp_path):
