@@ -62,7 +62,7 @@ SPAN_CASES = [
     SpanCase(Case("random-spans", ((13, 21), (1, 7), (6, 10)), group=2, page_size=4, max_pages=6,
                   padding_tokens=2, blocks=True), random_spans=True),
 ]
-SPAN_IMPLEMENTATIONS = ["blocked", "blocked-multiply-sum"]
+SPAN_IMPLEMENTATIONS = ["blocked", "blocked-multiply-sum", "pallas-triton", "pallas-mosaic"]
 
 
 def _run(impl: str, span_case: SpanCase, args, spans, **extra):
