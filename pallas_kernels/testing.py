@@ -47,16 +47,17 @@ jitted_reference = jax.jit(ragged_paged_attention_reference,
 
 def interpreted(kernel):
     """`kernel(*arrays, **options)` (a ragged attention kernel's wrapper) in interpret mode, jitted per set of
-    static options with `INTERPRET_COMPILER_OPTIONS`. Array keyword arguments (the quantized pages' scales)
-    stay arguments of the compiled program."""
+    static options with `INTERPRET_COMPILER_OPTIONS`. Array keyword arguments (the quantized pages' scales,
+    the span ends) stay arguments of the compiled program."""
     @functools.cache
     def compiled(static: frozenset):
-        def call(*arrays, **scales):
-            return kernel(*arrays, interpret=True, **dict(static), **scales)
+        def call(*arrays, **array_options):
+            return kernel(*arrays, interpret=True, **dict(static), **array_options)
         return jax.jit(call, compiler_options=INTERPRET_COMPILER_OPTIONS)
 
-    def run(*arrays, k_scales=None, v_scales=None, **static):
-        return compiled(frozenset(static.items()))(*arrays, k_scales=k_scales, v_scales=v_scales)
+    def run(*arrays, k_scales=None, v_scales=None, span_ends=None, **static):
+        return compiled(frozenset(static.items()))(*arrays, k_scales=k_scales, v_scales=v_scales,
+                                                   span_ends=span_ends)
     return run
 
 

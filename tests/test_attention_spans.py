@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.testing import image_spans, quantize_pages, ragged_oracle
+from pallas_kernels.ragged_gpu import ragged_paged_attention_gpu
+from pallas_kernels.testing import image_spans, interpreted, quantize_pages, ragged_oracle
 from tests.test_pallas_ragged import (IMPLEMENTATIONS, SMALL_BLOCKS, Case, _assert_close, _assert_padding_zero,
                                       _options, _setup, reference)
 
@@ -55,14 +56,17 @@ SPAN_CASES = [
     # holds for k > p), its earlier ones only inside the window; with a soft cap.
     SpanCase(Case("image-window-cap", ((16, 24), (1, 13)), group=2, page_size=8, max_pages=4, sliding_window=4,
                   soft_cap=2.0), ((0, ((10, 19),)),)),
-    # One key page per block and the smallest query tiles, so spans reach across many key blocks and query
-    # tiles and windows of 4 rows start and end inside images.
-    SpanCase(Case("image-many-blocks", ((21, 32), (1, 30), (11, 11)), group=2, page_size=4, max_pages=8,
-                  padding_tokens=3, sliding_window=9, blocks=True), ((0, ((12, 17), (22, 29))), (2, ((2, 9),)))),
+    # Small key blocks and the smallest query tiles: the chunk's rows sit at positions 39..59, and each image
+    # reaches a key block past the last row of the tile holding its first rows (Triton: 8-token tiles over
+    # 16-key blocks, 39..46 needing 49; Mosaic: a 16-token block ending at 54 needing 57 in 4-key blocks;
+    # blocked jnp: 4-row windows over 4-key blocks).
+    SpanCase(Case("image-many-blocks", ((21, 60), (1, 30), (11, 11)), group=2, page_size=4, max_pages=16,
+                  padding_tokens=3, sliding_window=9, blocks=True), ((0, ((42, 49), (53, 57))), (2, ((2, 9),)))),
     SpanCase(Case("random-spans", ((13, 21), (1, 7), (6, 10)), group=2, page_size=4, max_pages=6,
                   padding_tokens=2, blocks=True), random_spans=True),
 ]
-SPAN_IMPLEMENTATIONS = ["blocked", "blocked-multiply-sum"]
+# The multiply-and-sum flavour of the blocked path differs only in its decode rows, which spans never widen.
+SPAN_IMPLEMENTATIONS = ["blocked", "pallas-triton", "pallas-mosaic"]
 
 
 def _run(impl: str, span_case: SpanCase, args, spans, **extra):
@@ -105,6 +109,17 @@ def test_spans_over_quantized_pages(impl):
     _assert_close(_run(impl, span_case, args, spans, **scales), want, span_case.case.dtype)
 
 
+def test_triton_split_kv_walks_to_the_span_end():
+    """Split-K shares out an item's key blocks up to its furthest span end: 3 splits of one-page blocks, the
+    spans' keys falling in later splits than the rows' own positions."""
+    span_case = SPAN_CASES[3]  # image-many-blocks
+    args, _, spans = span_case.setup()
+    got = interpreted(ragged_paged_attention_gpu)(*args, **_options(span_case.case), **SMALL_BLOCKS["pallas-triton"],
+                                                  num_kv_splits=3, min_keys_per_split=1, span_ends=jnp.asarray(spans))
+    _assert_close(got, reference(*args, **_options(span_case.case), span_ends=jnp.asarray(spans)),
+                  span_case.case.dtype)
+
+
 @pytest.mark.parametrize("impl", SPAN_IMPLEMENTATIONS)
 def test_text_only_spans_are_causal(impl):
     """Rows without a span (-1) or with a span end at or before their own position attend causally."""
@@ -117,7 +132,7 @@ def test_text_only_spans_are_causal(impl):
                   span_case.case.dtype)
 
 
-@pytest.mark.parametrize("impl", SPAN_IMPLEMENTATIONS + ["reference"])
+@pytest.mark.parametrize("impl", SPAN_IMPLEMENTATIONS + ["blocked-multiply-sum", "reference"])
 @pytest.mark.parametrize("spans,match", [(jnp.zeros((5,), jnp.int32), "span_ends must be \\[tokens=6\\]"),
                                          (jnp.zeros((6,), jnp.float32), "span_ends must be an integer")],
                          ids=["shape", "dtype"])
