@@ -12,10 +12,13 @@ after warm-up, and the encoder cache and the KV pages come back empty. (The serv
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxserve.engine.images import images_refusal
+from jaxserve.errors import InvalidParameter
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.encoder_cache import EncoderCache
 from jaxserve.scheduling.images import ImageSpan, fit_chunk, image_chunks, page_extras
@@ -26,6 +29,15 @@ GOLDEN = dict(np.load(VLM / "gemma3" / "golden.npz"))
 CASES = {"text_only": [{"role": "user", "content": "Say something short."}], **CONVERSATIONS}
 TOP = 5
 PAGE = 8
+
+
+@dataclasses.dataclass
+class ImagePrompt:  # the fields the engine reads of a `multimodal.prompt.PromptImage`
+    offset: int
+    length: int
+    content_hash: str = "h"
+    pixel_values: object = None
+    field: str = "messages.0.content.0.image_url.url"
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +137,21 @@ def test_chunks_end_before_an_image_never_inside_it(llm):
     assert offset % 32 and [(s.start, s.num_tokens) for s in spans] == [(0, 32), (32, offset - 32),
                                                                         (offset, len(types) - offset)]
     assert [(c.first_row, c.token, c.count) for s in spans for c in s.images] == [(0, 0, 16)]
+
+
+def test_choices_of_one_image_request_share_its_prompt(llm):
+    """n = 2: the second choice starts from the first one's prompt pages (the image's among them) and draws
+    the same greedy tokens."""
+    out = llm.chat(CASES["one_image"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))[0]
+    assert [c.token_ids for c in out.outputs] == [GOLDEN["one_image.greedy"].tolist()] * 2
+
+
+def test_an_image_too_large_for_a_step_is_refused_by_its_field(llm):
+    images = llm.engine.images
+    too_long = ImagePrompt(offset=0, length=images.scheduling.rows_per_step + 1)
+    with pytest.raises(InvalidParameter, match="more than the 32 encoder rows") as refused:
+        llm.engine.check_request(list(range(40)), greedy(), images=[too_long])
+    assert refused.value.param == "messages.0.content.0.image_url.url"
 
 
 def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
