@@ -90,31 +90,50 @@ class EngineImages:
         return dataclasses.replace(checked, images=tuple(spans)) if spans else checked
 
 
+def _runs_images(args, built) -> bool:
+    return vision_model_type(args.model_dir) in GEMMA3_VISION_TYPES and built.runner == "generate"
+
+
+def _vision_config(args):
+    from jaxserve.vision_config import vision_config
+    return vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
+
+
+def _rows(built, config, cache=None, encoder=None) -> EncoderRowsBuilder:
+    """The runner's side; Gemma 3's image tokens attend to each other (`spans`)."""
+    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * config.mm_tokens_per_image)
+    return EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype, built.model.plan.replicated,
+                              cache, encoder, spans=True)
+
+
 def images_for(args, built) -> EngineImages | NoImages:
     """The image side of the engine for `built` (a `BuiltModel`) under `args`."""
     model_type = vision_model_type(args.model_dir)
-    if model_type not in GEMMA3_VISION_TYPES or built.runner != "generate":
+    if not _runs_images(args, built):
         return NoImages(built.name, model_type)
     if args.num_processes and args.num_processes > 1:
         logger.warning("images are not served on a multi-host mesh: the vision encoder is not loaded")
         return NoImages(built.name, model_type)
     from jaxserve.loader.encoders import load_vision_encoder
-    from jaxserve.vision_config import vision_config
 
-    config = vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
-    plan = built.model.plan
+    config = _vision_config(args)
     encoder = VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
                                    (config.num_channels, config.image_size, config.image_size), built.dtype,
-                                   device=plan.mesh.devices.flat[0])
-    tokens = config.mm_tokens_per_image
-    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * tokens)
+                                   device=built.model.plan.mesh.devices.flat[0])
     cache = EncoderCache(ENCODER_CACHE_BYTES)
+    rows = _rows(built, config, cache, encoder)
     logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
-                "%s images per call", tokens, rows_per_step, "/".join(map(str, encoder.buckets)))
-    # Gemma 3's image tokens attend to each other: a chunk holds an image whole.
-    return EngineImages(EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype,
-                                           plan.replicated, cache, encoder, spans=True),
-                        ImageScheduling(cache, rows_per_step, whole_images=True))
+                "%s images per call", config.mm_tokens_per_image, rows.rows_per_step,
+                "/".join(map(str, encoder.buckets)))
+    # A chunk holds an image whole, since its tokens attend to each other.
+    return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
+
+
+def abstract_rows(args, built) -> EncoderRowsBuilder | None:
+    """The steps' image input as shapes only (`jaxserve plan`: no encoder, no cache); None: no images."""
+    if not _runs_images(args, built):
+        return None
+    return _rows(built, _vision_config(args))
 
 
 def images_refusal(model_name: str, model_type: str | None, field: str) -> str:
