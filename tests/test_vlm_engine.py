@@ -21,8 +21,9 @@ from jaxserve.engine.images import images_refusal
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.encoder_cache import EncoderCache
-from jaxserve.scheduling.images import ImageSpan, fit_chunk, image_chunks, page_extras
+from jaxserve.scheduling.images import ImageScheduling, ImageSpan, fit_chunk, image_chunks, page_extras
 from tests.page_checks import assert_pages_released
+from tests.test_scheduler import AsyncLoop, make_scheduler, request
 from tests.test_vlm_requests import CONVERSATIONS, VLM, image_part
 
 GOLDEN = dict(np.load(VLM / "gemma3" / "golden.npz"))
@@ -217,3 +218,43 @@ def test_encoder_cache_keeps_idle_rows_within_its_bytes():
 def test_a_family_whose_images_are_not_run_is_named():
     assert "Qwen2.5-VL" in images_refusal("qwen", "qwen2_5_vl", "messages.0.content.0.image_url.url")
     assert "text-only" in images_refusal("tiny", None, "f")
+
+
+def _image_request(name: str, content_hash: str, max_tokens: int = 8):
+    """6 prompt tokens, 4 of them an image's."""
+    r = request(name, 6, max_tokens)
+    r.images = (ImageSpan(1, 4, content_hash),)
+    return r
+
+
+def test_the_scheduler_keeps_images_whole_through_a_preemption_and_lets_go_of_their_rows():
+    """2 slots, 5 usable pages of 4 tokens: the newer request is preempted and recomputed; every chunk holds
+    its image whole, both times, and the images' references end with their requests."""
+    scheduler = make_scheduler(max_num_seqs=2, budget=16, num_pages=6)
+    cache = EncoderCache(max_bytes=1 << 20)
+    scheduler.images = ImageScheduling(cache, rows_per_step=16, whole_images=True)
+    loop = AsyncLoop(scheduler)
+    old, new = _image_request("old", "a"), _image_request("new", "b")
+    loop.add(old, new)
+    assert cache.num_referenced == 2
+    for _ in range(60):
+        loop.step()
+        if old.finished and new.finished:
+            break
+    assert old.finished and new.finished and scheduler.num_preemptions >= 1
+    chunks = [(s.key, c.first_row, c.token, c.count) for p in loop.plans for s in p.seqs for c in s.images]
+    assert {(k, row, n) for k, row, _, n in chunks} == {(old.key, 0, 4), (new.key, 0, 4)}
+    assert sum(k == new.key for k, *_ in chunks) >= 2  # computed again after the preemption
+    loop.step()
+    assert_pages_released(scheduler)
+    assert cache.num_referenced == 0 and cache.num_entries == 0  # never encoded here: dropped at release
+
+
+def test_the_encoder_budget_bounds_the_image_rows_of_a_step():
+    scheduler = make_scheduler(budget=64)
+    scheduler.images = ImageScheduling(EncoderCache(max_bytes=1 << 20), rows_per_step=8, whole_images=True)
+    loop = AsyncLoop(scheduler)
+    loop.add(*(_image_request(f"r{i}", f"h{i}", max_tokens=1) for i in range(3)))
+    first = loop.step()
+    assert sum(c.count for s in first.seqs for c in s.images) == 8  # two images of 4 rows; the third waits
+    assert [s.num_tokens for s in first.seqs] == [6, 6, 1]  # its text before the image still comes
