@@ -93,9 +93,12 @@ class ImageScheduling:
     whole_images: bool
 
     def acquire(self, request) -> None:
-        """A new request and its choices need their images' rows until each finishes (pixels kept till encoded)."""
+        """A new request and its choices need their images' rows until each finishes. The cache keeps the
+        pixels until it has the rows, and a referenced entry is never evicted: the requests drop theirs."""
+        light = tuple(dataclasses.replace(image, pixels=None) for image in request.images)
         for choice in (request, *request.forks):
             self.cache.acquire(choice.key, request.images)
+            choice.images = light
 
     def release(self, request) -> None:
         self.cache.release(request.key, (image.content_hash for image in request.images))
