@@ -69,6 +69,15 @@ class EncoderRowsBuilder:
                                             np.full(tokens, -1, np.int32), np.full(tokens, -1, np.int32))
         return self._blank[tokens]
 
+    def warmup(self, tokens: int) -> EncoderRows:
+        """Rows for a warm-up batch (`BatchBuilder.warmup`): the first tokens an image whose tokens see each
+        other, so the first request with an image does not pay the first run of that code (a kernel's span
+        branch; XLA:CPU's one-off cost of a branch, Pallas' interpret mode compiling it)."""
+        n = self.rows_for(tokens)
+        row_of_token, span_ends = np.full(tokens, -1, np.int32), np.full(tokens, -1, np.int32)
+        row_of_token[:n], span_ends[:n] = np.arange(n), n - 1
+        return self._put(np.zeros((n, self.hidden), self.dtype), row_of_token, span_ends)
+
     def _put(self, rows, row_of_token, span_ends) -> EncoderRows:
         return EncoderRows(*(jax.device_put(a, self.sharding) for a in (rows, row_of_token, span_ends)))
 

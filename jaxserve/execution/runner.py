@@ -191,10 +191,13 @@ class ModelRunner:
         if self.lora is not None:
             with self.events.counting(warmup=True):
                 self.lora.warm_up()
-        if self.image_rows is not None:  # the vision encoder's programs
+        report = self.compiler.warmup(background, on_done, self._build_program)
+        # The vision encoder's programs, after the steps' warm-up batches: compiled before them, its bucket-1
+        # program was traced again at the first image under the Pallas Triton kernel in interpret mode on CPU
+        # (no global config changed; the cause is in the interpret mode's tracing context).
+        if self.image_rows is not None:
             with self.events.counting(warmup=True):
                 self.image_rows.encoder.warmup()
-        report = self.compiler.warmup(background, on_done, self._build_program)
         self.state  # noqa: B018 - the cache was being filled, meanwhile, on its thread
         return report
 
@@ -274,7 +277,8 @@ class ModelRunner:
         for every_option in (False, True):
             ints, floats = self.builder.warmup(layout, every_option)
             masks = self._all_allowed(layout.seqs) if every_option else None
-            jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, with_logits=False).outputs)
+            images = self.image_rows.warmup(layout.tokens) if self.image_rows is not None and every_option else None
+            jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, False, images).outputs)
         self.forget_samples()
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:
