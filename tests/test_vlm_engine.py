@@ -168,6 +168,22 @@ def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
     assert_pages_released(engine.scheduler)
 
 
+def test_the_pallas_kernel_takes_the_image_spans_too(monkeypatch):
+    """The Triton-flavoured Pallas kernel (interpret mode on CPU) through the engine: the golden tokens for an
+    image at the start and one in the second turn, chunked by a budget of 16, and nothing compiled after
+    warm-up. (Its span code is tested against the reference in tests/test_attention_spans.py.)"""
+    from jaxserve import LLM
+    from pallas_kernels import CPU_FLAVOUR_ENV
+    monkeypatch.setenv(CPU_FLAVOUR_ENV, "triton")
+    llm = LLM(str(VLM / "gemma3"), attention_backend="pallas", max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    assert llm.engine.runner.attention.name == "pallas-triton (interpret)"
+    for case in ("one_image", "second_turn"):
+        out = llm.chat(CASES[case], greedy(logprobs=False, prompt=False))[0]
+        assert out.outputs[0].token_ids == GOLDEN[f"{case}.greedy"].tolist(), case
+    assert llm.engine.compilations_since_warmup == 0
+
+
 # ---- the pieces, without a model -------------------------------------------------------------------------
 
 IMAGES = (ImageSpan(4, 16, "a"), ImageSpan(24, 16, "b"))
