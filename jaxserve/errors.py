@@ -16,6 +16,10 @@ class InvalidMedia(InvalidParameter):
     the field that carried it (`messages[0].content[1].image_url.url`): the server answers 400."""
 
 
+class ImagesNotServed(InvalidParameter):
+    """Images for a model or an engine that cannot take them (a 400 naming the first image's field)."""
+
+
 class WrongRunner(ValueError):
     """The request needs the other runner: embeddings from a generating model, or text from a pooling one."""
 

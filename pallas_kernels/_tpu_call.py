@@ -159,9 +159,10 @@ def attend_paged_blocks(q: jax.Array, page_id: Callable, hbm: PagedRefs, bufs: P
 
 def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, kv: PagedRefs, *,
                      grid: tuple[int, int], q_spec: pl.BlockSpec, rows: int, pages_per_block: int, name: str,
-                     interpret) -> jax.Array:
-    """pallas_call of `kernel(*scalar_refs, q_ref, *refs)`, refs as `split_kernel_refs` unpacks them, over
-    the cache arrays `kv` (scales None for float pages)."""
+                     interpret, row_inputs: tuple[tuple[jax.Array, pl.BlockSpec], ...] = ()) -> jax.Array:
+    """pallas_call of `kernel(*scalar_refs, q_ref, *row_refs, *refs)`, refs as `split_kernel_refs` unpacks
+    them, over the cache arrays `kv` (scales None for float pages). `row_inputs` are more VMEM blocks beside
+    the query block: (array, its BlockSpec) each (the ragged kernel's per-row span reach)."""
     _, _, page_size, head_dim = kv.k.shape
     quantized = kv.k_scales is not None
     operands = kv if quantized else kv[:2]
@@ -171,7 +172,7 @@ def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, kv: 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=grid,
-        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
+        in_specs=[q_spec] + [spec for _, spec in row_inputs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
         out_specs=q_spec,
         scratch_shapes=[buf, buf, pltpu.SemaphoreType.DMA((2, 2)),
                         pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
@@ -184,4 +185,4 @@ def paged_flash_call(kernel, scalars: tuple[jax.Array, ...], q4: jax.Array, kv: 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret_params(interpret),
         name=name,
-    )(*scalars, q4, *operands)
+    )(*scalars, q4, *[x for x, _ in row_inputs], *operands)

@@ -12,6 +12,8 @@ on device from the batch's real lengths, so a step costs what its sequences hold
    over the windows (however many the batch has) runs, per window, a loop over that sequence's key
    blocks up to the causal edge of its last row (and from the sliding window's start), so a block of keys
    is gathered once for a whole window of queries. Results go back into the window's rows only.
+   With `span_ends` (bidirectional spans, e.g. Gemma 3's images) a window's keys run to the furthest
+   key any of its rows sees; single-row sequences need no span work: their row is their last key.
 Padding rows are never written and stay zero. All math is float32. Quantized pages (`kv_quant.py`): each
 gathered block is converted from its codes and the per-key scales multiply the scores and the value
 weights, so no float copy of the cache is ever made.
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.kv_quant import page_scales
-from pallas_kernels.reference import MASK_VALUE, check_ragged_args
+from pallas_kernels.reference import MASK_VALUE, check_ragged_args, last_visible_keys
 
 MULTIPLY_SUM_MIN_SEQS = 4  # 12 layers of 1 decode row: 1.3-1.45 ms as dots, 1.8 ms as multiply-and-sum
 
@@ -120,7 +122,8 @@ def _decode_rows(q, kv, kv_lens, tables, cu_q_lens, *, ppb, sm_scale, soft_cap, 
     return out, jnp.where(q_len == 1, row, q.shape[0])  # out-of-range index: dropped by the scatter
 
 
-def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale, soft_cap, sliding_window):
+def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, span_ends, *, ppb, window, sm_scale, soft_cap,
+                sliding_window):
     """Rows of sequences with several queries, a window of `window` rows of one sequence at a time."""
     scoring = dict(sm_scale=sm_scale, soft_cap=soft_cap)
     k_pages, v_pages, k_scales, v_scales = kv
@@ -140,6 +143,9 @@ def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale
         mine = (rows >= first_row) & (rows < end_row)
         offset = kv_lens[s] - q_len[s] - cu_q_lens[s]  # position of row j is j + offset
         q_pos = rows + offset
+        # Each row's last key: its own position, or with spans its span's end where that lies further.
+        last_key = q_pos if span_ends is None else last_visible_keys(
+            lax.dynamic_slice_in_dim(span_ends, start, window), q_pos, kv_lens[s])
         qw = lax.dynamic_slice_in_dim(q, start, window).reshape(window, kvh, -1, head_dim)
         qw = qw.swapaxes(0, 1).astype(jnp.float32)  # [KVH, W, G, D]
         first_key = 0 if sliding_window is None else jnp.maximum(first_row + offset - sliding_window + 1, 0)
@@ -150,13 +156,14 @@ def _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, *, ppb, window, sm_scale
             k, k_scale = _gather_block(k_pages, k_scales, ids, (kvh, block_k, head_dim), (1, 2))
             v, v_scale = _gather_block(v_pages, v_scales, ids, (kvh, block_k, head_dim), (1, 2))
             k_pos = blk * block_k + jnp.arange(block_k)
-            valid = mine[:, None] & (k_pos[None] <= q_pos[:, None])  # [W, block_k]
+            valid = mine[:, None] & (k_pos[None] <= last_key[:, None])  # [W, block_k]
             if sliding_window is not None:
                 valid &= q_pos[:, None] - k_pos[None] < sliding_window
             return _attend_block(carry, qw, k, v, valid[None, :, None], spec="kwgd,kld", k_scale=k_scale,
                                  v_scale=v_scale, **scoring)
 
-        last_pos = end_row - 1 + offset
+        # The key blocks run to the window's furthest last key: its last row's position, unless a span reaches on.
+        last_pos = end_row - 1 + offset if span_ends is None else jnp.max(jnp.where(mine, last_key, 0))
         acc, _, l = lax.fori_loop(first_key // block_k, last_pos // block_k + 1, body,
                                   _init(qw.shape[:3], head_dim))
         result = _finish(acc, l).swapaxes(0, 1).reshape(window, num_heads, head_dim).astype(out.dtype)
@@ -173,12 +180,12 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
                                    soft_cap: float | None = None, sliding_window: int | None = None,
                                    pages_per_block: int | None = None, query_window: int = 32,
                                    k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                                   decode_products: str = "dot") -> jax.Array:
+                                   decode_products: str = "dot", span_ends: jax.Array | None = None) -> jax.Array:
     """Blocked jnp ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
       q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window, k_scales,
-        v_scales: as for `ragged_paged_attention_reference`.
+        v_scales, span_ends: as for `ragged_paged_attention_reference`.
       pages_per_block: pages per key block (static; default: about 64 keys).
       query_window: query rows of one prefill sequence handled together (static; capped at the tokens).
       decode_products: "dot" or "multiply_sum", how the decode rows' products run (static; see above).
@@ -186,7 +193,7 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
     check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
-                      k_scales, v_scales)
+                      k_scales, v_scales, span_ends)
     page_size = k_pages.shape[2]
     ppb = pages_per_block or max(1, 64 // page_size)
     max_pages = page_tables.shape[1]
@@ -202,5 +209,5 @@ def ragged_paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: ja
         raise ValueError(f"decode_products must be 'dot' or 'multiply_sum', got {decode_products!r}")
     rows_out, rows = _decode_rows(q, kv, kv_lens, tables, cu_q_lens, ppb=ppb, products=decode_products, **common)
     out = jnp.zeros(q.shape, q.dtype).at[rows].set(rows_out.astype(q.dtype), mode="drop")
-    return _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, ppb=ppb,
+    return _chunk_rows(out, q, kv, kv_lens, tables, cu_q_lens, span_ends, ppb=ppb,
                        window=min(query_window, q.shape[0]), **common)

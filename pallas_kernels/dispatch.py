@@ -6,6 +6,9 @@ the signature of `ragged_paged_attention_reference`, so model code never changes
    follows the real KV lengths, see `blocked.py`);
 2. `reference` forces the dense `jnp` reference everywhere (the definition of correct; slow);
 3. `pallas` forces the kernels; on CPU they run in Pallas interpret mode (slow, for tests).
+Every backend takes the contract's optional keyword arguments: quantized pages' `k_scales` / `v_scales`,
+and `span_ends`, the per-row bidirectional spans (Gemma 3's image tokens) that widen the causal mask;
+left None, each compiles exactly the program it compiles without them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str  # what the startup log prints, e.g. "blocked (jnp)"
-    ragged: Callable  # same signature as ragged_paged_attention_reference
+    ragged: Callable  # same signature as ragged_paged_attention_reference (span_ends=None: causal)
 
 
 REFERENCE = AttentionBackend("reference (jnp, dense)", ragged_paged_attention_reference)

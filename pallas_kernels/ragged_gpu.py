@@ -11,6 +11,9 @@
 3. The program walks its sequence's page-table row one key block (`pages_per_compute_block` pages) at a
    time, from the first block the sliding window reaches to the block holding its last row's position
    (causal), gathering the pages straight from the cache, with an online softmax in float32.
+   With bidirectional spans (`span_ends`, Gemma 3's images) a row's causal edge moves to its span's end
+   (capped at kv_len - 1): the program loads its rows' span ends and walks on to the furthest one; no
+   span reaches past the last row of its sequence, so decode items walk exactly the blocks they did.
 4. It stores only the rows of its own sequence (a masked store: the tile may run into the next
    sequence's rows, which another program owns). The output has exactly T rows, so the kernel's result is
    the layer's, with no pass after it (issue 52: a step's kernels per layer).
@@ -110,12 +113,14 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    q_ref,  # [T_pad, group_pad, head_dim] this KV head's queries, every row
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
-                   *refs,  # quantized pages: k_scales_ref, v_scales_ref [>= num_pages, page_size] float32; then
+                   *refs,  # with spans: span_ref [T_pad * group_pad] int32, each row's span end, per query head;
+                   #         quantized pages: k_scales_ref, v_scales_ref [>= num_pages, page_size] float32; then
                    #         o_ref [T, group_pad, head_dim] (only this item's rows are written), or with
                    #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T, group_pad]
                    sm_scale: float, soft_cap: float | None, sliding_window: int | None, block_q: int,
-                   pages_per_block: int, max_pages: int, precision, quantized: bool, num_splits: int,
-                   min_blocks_per_split: int):
+                   pages_per_block: int, max_pages: int, precision, quantized: bool, spans: bool,
+                   num_splits: int, min_blocks_per_split: int):
+    span_ref, *refs = refs if spans else (None, *refs)
     k_scales_ref, v_scales_ref, *out_refs = refs if quantized else (None, None, *refs)
     _, group, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
@@ -142,6 +147,12 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
         # Sequence s's last row sits at position kv_len - 1, so row j sits at j + offset.
         offset = kv_lens_ref[seq] - cu_q_lens_ref[seq + 1]
         last_pos = end_row - 1 + offset
+        # Row r of the tile is token r // group, head r % group (group is a power of 2: a shift).
+        row_tokens = lambda: first_row + lax.div(jnp.arange(rows, dtype=jnp.int32), group)
+        if spans:  # each row's last key: its span's end where that lies beyond it; the walk goes to the furthest
+            span_end = jnp.minimum(span_ref[pl.ds(first_row * group, rows)], kv_lens_ref[seq] - 1)
+            last_key = jnp.maximum(row_tokens() + offset, span_end)
+            last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(row_tokens() < end_row, last_key, 0)))
         end_blk = jnp.minimum(lax.div(last_pos + block_k, block_k), max_pages // pages_per_block)
         if sliding_window is None:
             start_blk = 0
@@ -155,10 +166,10 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             start_blk = start_blk + split * per_split
             end_blk = jnp.minimum(start_blk + per_split, end_blk)
 
-        # Row r of the tile is token r // group, head r % group (group is a power of 2: a shift).
         q = q_ref[pl.ds(first_row, block_q)].reshape(rows, head_dim)
-        token = first_row + lax.div(jnp.arange(rows, dtype=jnp.int32), group)
+        token = row_tokens()
         q_pos = lax.broadcast_in_dim(token + offset, (rows, block_k), (0,))
+        last_keys = lax.broadcast_in_dim(last_key, (rows, block_k), (0,)) if spans else q_pos
 
         def body(i, carry):
             blk = start_blk + i
@@ -173,9 +184,9 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             s = block_scores(q, k, sm_scale=sm_scale, soft_cap=soft_cap, precision=precision, k_scale=k_scale)
             k_pos = lax.broadcast_in_dim(blk * block_k + jnp.arange(block_k, dtype=jnp.int32), (rows, block_k),
                                          (1,))
-            # Causal; k_pos < kv_len follows for the rows that get stored (q_pos < kv_len). Rows past
-            # end_row may see garbage keys, but the masked store drops them.
-            valid = k_pos <= q_pos
+            # Causal or within the span; k_pos < kv_len follows for the rows that get stored (their last key is
+            # below kv_len). Rows past end_row may see garbage keys, but the masked store drops them.
+            valid = k_pos <= last_keys
             if sliding_window is not None:
                 valid = valid & (q_pos - k_pos < sliding_window)
             return online_softmax_step(*carry, s, valid, v, precision, v_scale)
@@ -199,7 +210,7 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             plgpu.store(l_ref.at[here], l.reshape(block_q, group), mask=row_mask)
 
 
-def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, tokens, max_pages, sm_scale, soft_cap,
+def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, span_rows, *, tokens, max_pages, sm_scale, soft_cap,
                  sliding_window, block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split,
                  interpret):
     item_seq, item_row = items
@@ -207,18 +218,21 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, tokens, max_
     k_pages, v_pages, k_scales, v_scales = kv
     _, num_pages, page_size, _ = k_pages.shape
     kv = [k_pages, v_pages]
-    if k_scales is not None:  # lane-dense scales as whole pages' rows (a free reshape, `kv_quant.page_scales`)
+    quantized = k_scales is not None
+    if quantized:  # lane-dense scales as whole pages' rows (a free reshape, `kv_quant.page_scales`)
         kv += [scales.reshape(num_kv_heads, -1, page_size) for scales in (k_scales, v_scales)]
     kernel = functools.partial(_ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
                                sliding_window=sliding_window, block_q=block_q, pages_per_block=pages_per_block,
-                               max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=len(kv) == 4,
-                               num_splits=num_splits, min_blocks_per_split=min_blocks_per_split)
+                               max_pages=max_pages, precision=dot_precision(q4.dtype), quantized=quantized,
+                               spans=span_rows is not None, num_splits=num_splits,
+                               min_blocks_per_split=min_blocks_per_split)
     # Grid (item, KV head), and a split axis when there are splits: the index maps ignore it, except for the
     # split outputs' own axis. Unsplit, the grid stays two-dimensional: the kernel measured on the H200.
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, *_: (0,) * x.ndim)
     kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, *_: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, kv[-1].shape[1], page_size), lambda i, h, *_: (h, 0, 0))
     q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
+    spans = [] if span_rows is None else [span_rows]
     out_rows = (tokens, num_kv_heads, group, head_dim)  # q's rows without the spare tile
     if num_splits == 1:
         out_specs = pl.BlockSpec((tokens, None, group, head_dim), lambda i, h: (0, h, 0, 0))
@@ -232,13 +246,13 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, *, tokens, max_
         kernel,
         grid=(item_seq.shape[0], num_kv_heads) + ((num_splits,) if num_splits > 1 else ()),
         in_specs=[whole(item_seq), whole(item_row), whole(kv_lens), whole(cu_q_lens), whole(tables_flat),
-                  q_spec, kv_spec, kv_spec] + [scale_spec] * (len(kv) - 2),
+                  q_spec, kv_spec, kv_spec] + [whole(x) for x in spans] + [scale_spec] * (len(kv) - 2),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_triton",
-    )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, *kv)
+    )(item_seq, item_row, kv_lens, cu_q_lens, tables_flat, q4, *kv[:2], *spans, *kv[2:])
 
 
 def _merge_kernel(real_rows_ref,  # [1] int32: cu_q_lens[-1], the first padding row
@@ -304,12 +318,13 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
                                block_q: int | None = None, pages_per_compute_block: int | None = None,
                                num_warps: int | None = None, num_stages: int = 2, num_kv_splits: int | None = None,
                                min_keys_per_split: int = MIN_KEYS_PER_SPLIT, interpret: bool = False,
-                               k_scales: jax.Array | None = None, v_scales: jax.Array | None = None) -> jax.Array:
+                               k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+                               span_ends: jax.Array | None = None) -> jax.Array:
     """Triton ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
       q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, sm_scale, soft_cap, sliding_window, k_scales,
-        v_scales: as in `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static
+        v_scales, span_ends: as in `ragged_paged_attention_reference` (sm_scale, soft_cap and sliding_window are static
         here; quantized pages are gathered as codes, their scales beside them).
       block_q: query tokens per program (a power of 2; default: `default_tiles`, at least 16 rows).
       pages_per_compute_block: pages per key block (default: `default_tiles`' keys; at least 16 keys).
@@ -323,7 +338,7 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
     check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
-                      k_scales, v_scales)
+                      k_scales, v_scales, span_ends)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_seqs = page_tables.shape[0]
@@ -357,8 +372,12 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     num_items = max(1, -(-tokens // block_q) + min(num_seqs, tokens))
     tables = pad_page_table(page_tables, ppb)
     split_blocks = max(1, -(-min_keys_per_split // (ppb * page_size)))  # blocks per split, at least
+    span_rows = None
+    if span_ends is not None:  # one span end per row of q4's tiles (token x padded group), flat, -1 past the rows
+        span_rows = jnp.pad(span_ends.astype(jnp.int32), (0, block_q), constant_values=-1)
+        span_rows = jnp.broadcast_to(span_rows[:, None], (tokens + block_q, group_pad)).reshape(-1)
     out = _ragged_call(work_items(cu_q_lens, block_q, num_items), kv_lens, cu_q_lens, tables.reshape(-1), q4,
-                       (k_pages, v_pages, k_scales, v_scales), tokens=tokens, max_pages=tables.shape[1],
+                       (k_pages, v_pages, k_scales, v_scales), span_rows, tokens=tokens, max_pages=tables.shape[1],
                        sm_scale=float(sm_scale),
                        soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
                        block_q=block_q, pages_per_block=ppb, num_warps=num_warps, num_stages=num_stages,

@@ -10,6 +10,13 @@ sequence. Sequence `s` owns query rows `cu_q_lens[s] .. cu_q_lens[s + 1] - 1`; t
 `kv_lens[s] - q_len + (j - cu_q_lens[s])`. A decoding sequence has one row, a prefill chunk many; padding
 sequences have none, and rows from `cu_q_lens[-1]` on are padding tokens.
 
+Attention is causal, optionally within a sliding window, and optionally widened per row by a *span*
+(`span_ends`): the row also sees the later keys up to its span's end. That is bidirectional attention
+inside a run of tokens, as Gemma 3 has among one image's tokens (transformers' `blockwise_overlay` on
+`token_type_ids`): every token of an image carries the image's last position, every other row -1. A
+row's last visible key is therefore `max(position, span_end)`, capped at `kv_len - 1`; no kernel is
+special to images.
+
 This version is written to be obviously right, not fast: every query row gathers its sequence's whole
 page-table row into a dense `[kv_heads, max_pages * page_size, head_dim]` view and runs an ordinary
 masked softmax in float32. `blocked.py` is the efficient jnp implementation the CPU serves with.
@@ -45,7 +52,7 @@ def validate_paged_inputs(q_heads: int, head_dim: int, k_pages: jax.Array, v_pag
 
 
 def check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
-                      k_scales=None, v_scales=None) -> None:
+                      k_scales=None, v_scales=None, span_ends=None) -> None:
     """The ragged contract's shape and option checks (ValueError naming the input)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {q.shape}")
@@ -65,6 +72,19 @@ def check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft
         raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
     if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
         raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if span_ends is not None:
+        if span_ends.shape != (q.shape[0],):
+            raise ValueError(f"span_ends must be [tokens={q.shape[0]}] (one per query row), got {span_ends.shape}")
+        if not jnp.issubdtype(span_ends.dtype, jnp.integer):
+            raise ValueError(f"span_ends must be an integer array, got {span_ends.dtype}")
+
+
+def last_visible_keys(span_ends: jax.Array | None, positions: jax.Array, kv_lens_of_rows: jax.Array) -> jax.Array:
+    """Per query row, the last key position it sees (before the sliding window): its own position, or its
+    span's end where that lies further, but never a key not yet in the cache (kv_len - 1 at most)."""
+    if span_ends is None:
+        return positions
+    return jnp.maximum(positions, jnp.minimum(span_ends.astype(jnp.int32), kv_lens_of_rows - 1))
 
 
 def token_layout(cu_q_lens: jax.Array, kv_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array,
@@ -83,8 +103,18 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
                                      page_tables: jax.Array, cu_q_lens: jax.Array, *, sm_scale: float,
                                      soft_cap: float | None = None,
                                      sliding_window: int | None = None, k_scales: jax.Array | None = None,
-                                     v_scales: jax.Array | None = None) -> jax.Array:
+                                     v_scales: jax.Array | None = None,
+                                     span_ends: jax.Array | None = None) -> jax.Array:
     """Attention of a ragged batch of new tokens over each one's own sequence in the paged cache.
+
+    The row at position p of a sequence holding kv_len tokens sees key position k iff
+        k < kv_len  and  (k <= p  or  k <= span_ends[row])  and  (no window  or  p - k < sliding_window).
+    This is transformers' Gemma 3 mask, layer by layer: full-attention layers OR the causal mask with the
+    image blocks (`token_type_ids`), sliding layers AND that with `k > p - window`, which every later key of
+    the image passes (k > p), while earlier keys of the image outside the window stay hidden, as here. The
+    `k < kv_len` term matters only with spans: a prefill chunk that stops inside an image gives its image
+    rows the image's keys written so far, never the unwritten rest (a caller that needs the whole image in
+    view keeps an image within one chunk).
 
     Args:
       q: [tokens, num_heads, head_dim] queries, flat; sequence s owns rows cu_q_lens[s]..cu_q_lens[s+1]-1.
@@ -100,14 +130,18 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
       k_scales, v_scales: float32 scales of int8 / float8_e4m3fn pages, one per token and KV head, stored
         lane-dense ([num_kv_heads, ceil(num_pages * page_size / 128), 128], see `kv_quant`), or None
         (the default) for float pages.
+      span_ends: optional [tokens] int32, per query row the last key position it sees besides the causal
+        ones (Gemma 3: an image token's image's last position; -1, or any value <= the row's position, for
+        no span). None (the default) is plain causal attention, compiled with no trace of spans.
     Returns:
       [tokens, num_heads, head_dim] in q's dtype; zeros for padding rows.
     """
     check_ragged_args(q, k_pages, v_pages, kv_lens, page_tables, cu_q_lens, soft_cap, sliding_window,
-                      k_scales, v_scales)
+                      k_scales, v_scales, span_ends)
     tokens, num_heads, head_dim = q.shape
     kvh, _, page_size, _ = k_pages.shape
     seq, pos, real = token_layout(cu_q_lens, kv_lens, tokens)
+    last_key = last_visible_keys(span_ends, pos, kv_lens[seq])
     kv_pos = jnp.arange(page_tables.shape[1] * page_size)
 
     def gather(pages, scales, table):  # the row's pages as dense float32 [kvh, L, head_dim], dequantized
@@ -116,10 +150,10 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
             return dense.astype(jnp.float32)
         return dequantize_kv(dense, page_scales(scales, table, page_size).reshape(kvh, -1))
 
-    def one_row(q_t, seq_t, pos_t, real_t):
+    def one_row(q_t, seq_t, pos_t, last_t, real_t):
         table = page_tables[seq_t]
         k, v = gather(k_pages, k_scales, table), gather(v_pages, v_scales, table)
-        visible = real_t & (kv_pos <= pos_t) & (kv_pos < kv_lens[seq_t])
+        visible = real_t & (kv_pos <= last_t) & (kv_pos < kv_lens[seq_t])
         if sliding_window is not None:
             visible &= pos_t - kv_pos < sliding_window
         qg = q_t.reshape(kvh, num_heads // kvh, head_dim).astype(jnp.float32)
@@ -130,4 +164,4 @@ def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: 
         probs = jnp.where(visible, jax.nn.softmax(scores, axis=-1), 0.0)  # padding rows: all 0 -> output 0
         return jnp.einsum("kgl,kld->kgd", probs, v).reshape(num_heads, head_dim)
 
-    return jax.vmap(one_row)(q, seq, pos, real).astype(q.dtype)
+    return jax.vmap(one_row)(q, seq, pos, last_key, real).astype(q.dtype)

@@ -5,8 +5,9 @@
    dense tokens into them; the rest of its page-table row points at the null page.
 3. Keep the dense K/V, so a test can check the paged answer against attention over the dense arrays
    (`dense_attention`), independently of how the reference gathers pages.
-4. `quantize_pages` turns float pages into int8 / fp8 codes with per-token scales (`kv_quant`).
-5. `interpreted` runs a Pallas kernel in interpret mode, compiled cheaply (see `INTERPRET_COMPILER_OPTIONS`);
+4. `image_spans` marks runs of a batch's rows as bidirectional spans (`span_ends`), as Gemma 3's images.
+5. `quantize_pages` turns float pages into int8 / fp8 codes with per-token scales (`kv_quant`).
+6. `interpreted` runs a Pallas kernel in interpret mode, compiled cheaply (see `INTERPRET_COMPILER_OPTIONS`);
    `jitted_reference` is the answer it is checked against.
 """
 
@@ -46,16 +47,17 @@ jitted_reference = jax.jit(ragged_paged_attention_reference,
 
 def interpreted(kernel):
     """`kernel(*arrays, **options)` (a ragged attention kernel's wrapper) in interpret mode, jitted per set of
-    static options with `INTERPRET_COMPILER_OPTIONS`. Array keyword arguments (the quantized pages' scales)
-    stay arguments of the compiled program."""
+    static options with `INTERPRET_COMPILER_OPTIONS`. Array keyword arguments (the quantized pages' scales,
+    the span ends) stay arguments of the compiled program."""
     @functools.cache
     def compiled(static: frozenset):
-        def call(*arrays, **scales):
-            return kernel(*arrays, interpret=True, **dict(static), **scales)
+        def call(*arrays, **array_options):
+            return kernel(*arrays, interpret=True, **dict(static), **array_options)
         return jax.jit(call, compiler_options=INTERPRET_COMPILER_OPTIONS)
 
-    def run(*arrays, k_scales=None, v_scales=None, **static):
-        return compiled(frozenset(static.items()))(*arrays, k_scales=k_scales, v_scales=v_scales)
+    def run(*arrays, k_scales=None, v_scales=None, span_ends=None, **static):
+        return compiled(frozenset(static.items()))(*arrays, k_scales=k_scales, v_scales=v_scales,
+                                                   span_ends=span_ends)
     return run
 
 
@@ -101,12 +103,12 @@ def quantize_pages(k_pages, v_pages, kv_dtype: str) -> tuple[tuple, dict]:
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, kv_len: int, *,
-                    sm_scale: float, soft_cap: float | None = None,
-                    sliding_window: int | None = None) -> np.ndarray:
+                    sm_scale: float, soft_cap: float | None = None, sliding_window: int | None = None,
+                    span_ends: np.ndarray | None = None) -> np.ndarray:
     """float64 oracle. q [T, H, D] at positions q_pos [T]; k/v [KVH, L, D] dense -> [T, H, D].
 
-    Row t (a real token only if q_pos[t] < kv_len) attends to keys j with j <= q_pos[t], j < kv_len and
-    q_pos[t] - j < window; padding rows and rows without keys -> zeros."""
+    Row t (a real token only if q_pos[t] < kv_len) attends to keys j with j <= max(q_pos[t], span_ends[t]),
+    j < kv_len and q_pos[t] - j < window; padding rows and rows without keys -> zeros."""
     t, h, d = q.shape
     kvh = k.shape[0]
     group = h // kvh
@@ -115,7 +117,7 @@ def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarr
         p = int(q_pos[r])
         if p >= kv_len:
             continue
-        hi = p + 1
+        hi = min(max(p, -1 if span_ends is None else int(span_ends[r])), kv_len - 1) + 1
         lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
         if hi <= lo:
             continue
@@ -159,12 +161,27 @@ def random_ragged_case(rng: np.random.Generator, q_lens: list[int], kv_lens: lis
 
 
 def ragged_oracle(case: RaggedCase, q: np.ndarray, k_dense: np.ndarray, v_dense: np.ndarray,
-                  **options) -> np.ndarray:
+                  span_ends: np.ndarray | None = None, **options) -> np.ndarray:
     """float64 attention of every sequence's rows over its dense K/V ([n, KVH, L, D]); padding rows 0."""
     out = np.zeros(q.shape, np.float64)
     for s in range(len(case.kv_lens)):
         lo, hi = case.cu_q_lens[s], case.cu_q_lens[s + 1]
         if hi > lo:
+            spans = None if span_ends is None else span_ends[lo:hi]
             out[lo:hi] = dense_attention(q[lo:hi], k_dense[s], v_dense[s], case.positions(s), int(case.kv_lens[s]),
-                                         **options)
+                                         span_ends=spans, **options)
     return out
+
+
+def image_spans(case: RaggedCase, images: dict[int, list[tuple[int, int]]]) -> np.ndarray:
+    """span_ends [tokens] int32 for `images`: sequence -> [(first, last)] positions of its images, which may
+    start in the cached prefix or end past kv_len (a chunk that stops inside an image). A row inside an image
+    gets the image's last position, every other row (padding too) -1."""
+    spans = np.full(case.q.shape[0], -1, np.int32)
+    for s, runs in images.items():
+        lo = case.cu_q_lens[s]
+        for row, pos in enumerate(case.positions(s)):
+            for first, last in runs:
+                if first <= pos <= last:
+                    spans[lo + row] = last
+    return spans

@@ -4,11 +4,12 @@ The engine calls one kernel per platform (Mosaic on a TPU, Triton on a GPU: `pal
 and each picks its tiles, key blocks and (on a GPU) its split of the keys from a step's static shape
 (`ragged_gpu.default_tiles`, `default_kv_splits`; `ragged_tpu`'s block_q). What varies between engines is
 the step shape (decode-shaped buckets of 16, 64 or 256 tokens, or buckets holding prefill chunks), the model
-(query dtype, head_dim, GQA group, Gemma's soft cap and sliding window) and the serve flags (page size, KV
-page dtype). The cases below cover every value of each at least once, and each is compiled for TPU v5e and
-v6e (libtpu: Mosaic's own checks, such as unaligned lane slices and VMEM limits, run only at compile) and
-for NVIDIA H100 and H200 (Triton to PTX to ptxas: shared memory limits, dtype casts). fp8 pages cannot
-compile for an A100 (sm80), which is why the engine refuses them there at start.
+(query dtype, head_dim, GQA group, Gemma's soft cap and sliding window, Gemma 3's bidirectional image
+spans) and the serve flags (page size, KV page dtype). The cases below cover every value of each at least
+once, and each is compiled for TPU v5e and v6e (libtpu: Mosaic's own checks, such as unaligned lane slices
+and VMEM limits, run only at compile) and for NVIDIA H100 and H200 (Triton to PTX to ptxas: shared memory
+limits, dtype casts). fp8 pages cannot compile for an A100 (sm80), which is why the engine refuses them
+there at start.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ CONTEXT, NUM_PAGES, KV_HEADS = 8192, 2048, 2
 
 
 @functools.cache
-def _case(tokens, seqs, dtype, pages, page_size, head_dim, group, soft_cap=None, window=None):
+def _case(tokens, seqs, dtype, pages, page_size, head_dim, group, soft_cap=None, window=None, spans=False):
     return dict(tokens=tokens, seqs=seqs, dtype=dtype, pages=pages, page_size=page_size, head_dim=head_dim,
-                group=group, soft_cap=soft_cap, window=window)
+                group=group, soft_cap=soft_cap, window=window, spans=spans)
 
 
 CASES = {
@@ -40,6 +41,9 @@ CASES = {
     "prefill512-bf16": _case(512, 8, jnp.bfloat16, "auto", 16, 128, 4),  # prefill chunks: wide query tiles
     "prefill256-fp8-d64-mha-page32": _case(256, 8, jnp.bfloat16, "fp8", 32, 64, 1),
     "prefill256-gemma-d256-page64": _case(256, 8, jnp.bfloat16, "auto", 64, 256, 2, 50.0, 4096),
+    # Gemma 3 with images: span_ends; its decode buckets too (GPU: split keys), one over int8 pages.
+    "prefill256-gemma3-spans-d256": _case(256, 8, jnp.bfloat16, "auto", 16, 256, 2, None, 1024, spans=True),
+    "decode16-gemma3-spans-int8": _case(16, 16, jnp.bfloat16, "int8", 16, 128, 4, None, 1024, spans=True),
 }
 TARGETS = ["v5e-1", "v6e-1", "h100", "h200"]
 
@@ -57,10 +61,11 @@ def _compile(case: dict, target_name: str):
     args = (shape((c["tokens"], KV_HEADS * c["group"], c["head_dim"]), c["dtype"]), pages, pages,
             shape((c["seqs"],), jnp.int32), shape((c["seqs"], CONTEXT // c["page_size"]), jnp.int32),
             shape((c["seqs"] + 1,), jnp.int32))
+    spans = {"span_ends": shape((c["tokens"],), jnp.int32)} if c["spans"] else {}
     attend = functools.partial(backend.ragged, sm_scale=c["head_dim"] ** -0.5, soft_cap=c["soft_cap"],
                                sliding_window=c["window"])
     with jax.default_device(device):
-        return jax.jit(attend).lower(*args, **scales).compile(compile_options(target))
+        return jax.jit(attend).lower(*args, **scales, **spans).compile(compile_options(target))
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -15,7 +15,7 @@ from jaxserve.engine_args import EngineArgs, parse_mm_limits
 from jaxserve.errors import InvalidMedia, InvalidParameter
 from jaxserve.multimodal.chat_parts import ImageSource, split_images
 from jaxserve.multimodal.media import MediaPolicy, image_hash
-from jaxserve.multimodal.prompt import ImageInputs, ImagesNotServed, require_served
+from jaxserve.multimodal.prompt import ImageInputs, ImagesNotServed
 from jaxserve.text.tokenizer import Tokenizer
 
 VLM = Path(__file__).parent / "fixtures" / "vlm"
@@ -70,9 +70,6 @@ def test_openai_image_parts_give_the_processors_tokens(family, case):
         assert image.content_hash == image_hash(reference) and image.field == source.field
         if directory.name == "qwen2_5_vl":
             assert image.grid_thw == tuple(golden[f"image{index}.grid_thw"])
-    with pytest.raises(ImagesNotServed, match="not served yet") as refused:
-        require_served(prompt)
-    assert refused.value.param == sources[0].field
 
 
 def test_the_same_picture_hashes_the_same_however_it_came(tmp_path):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from PIL import Image
@@ -108,20 +109,31 @@ def _bomb() -> str:
     return data_url(out.getvalue())
 
 
-def test_a_good_image_reaches_the_engines_door_and_is_refused_plainly(server, client, media_dir):
+GOLDEN = dict(np.load(VLM / "gemma3" / "golden.npz"))
+LANDSCAPE = data_url((IMAGES / "landscape.png").read_bytes())
+
+
+def test_a_good_image_is_answered_as_transformers_does(server, client, media_dir):
+    """The fixture's one-image and two-image conversations give its greedy tokens (the server's budget of 16
+    tokens prefills them in chunks that stop before each image and take it whole)."""
     models = httpx.get(f"{server[0]}/v1/models").json()["data"]
     assert models[0]["input_modalities"] == ["text", "image"]
-    for url in (data_url((IMAGES / "landscape.png").read_bytes()), (media_dir / "rgba.png").as_uri()):
-        error = refused(client, image_message(url))
-        assert error["param"] == "messages.0.content.0.image_url.url" and error["code"] == "unsupported_parameter"
-        assert "image input is not served yet" in error["message"] and "1 image(s)" in error["message"]
-    # Two images in one message, interleaved with text: the same, for the first image.
-    error = refused(client, image_message(data_url(PNG), data_url(PNG)))
-    assert "2 image(s)" in error["message"]
+    two = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": LANDSCAPE}},
+                                        {"type": "text", "text": " and "},
+                                        {"type": "image_url", "image_url": {"url": (media_dir / "rgba.png").as_uri()}},
+                                        {"type": "text", "text": ": compare."}]}]
+    for case, messages in (("one_image", image_message(LANDSCAPE)), ("two_images", two)):
+        reply = client.chat.completions.create(model="gemma3", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert reply.model_extra["prompt_token_ids"] == GOLDEN[f"{case}.input_ids"].tolist()
+        assert reply.choices[0].model_extra["token_ids"] == GOLDEN[f"{case}.greedy"].tolist(), case
     # The Responses API's input_image part takes the same path.
-    r = httpx.post(f"{server[0]}/v1/responses", json={"model": "gemma3", "input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": data_url(PNG)}]}]})
-    assert "not served yet" in assert_error(r, 400)["message"]
+    r = httpx.post(f"{server[0]}/v1/responses", json={"model": "gemma3", "max_output_tokens": 4, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": LANDSCAPE},
+                                     {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] == len(GOLDEN["one_image.input_ids"])
+    assert not server[1].engine.has_unfinished()
 
 
 @pytest.mark.parametrize("urls, param, words", [
@@ -184,23 +196,25 @@ def test_the_server_stays_healthy_and_answers_text(server, client):
 
 
 def test_offline_chat_and_multi_modal_data_take_the_same_path(server):
-    """`LLM.chat` with image parts and `LLM.generate` with vLLM's multi_modal_data (PIL images) reach the same
-    door; a prompt without the model's placeholder per image, and too many images, are refused by name.
-    (The same sizes as the server's engine: its step program comes from the run's compilation cache.)"""
+    """`LLM.chat` with image parts and `LLM.generate` with vLLM's multi_modal_data (PIL images) give the
+    fixture's greedy tokens; a prompt without the model's placeholder per image, and too many images, are
+    refused by name. (The same sizes as the server's engine: its step program comes from the run's
+    compilation cache.)"""
     from jaxserve import LLM
     llm = LLM(str(VLM / "gemma3"), **SIZES, limit_mm_per_prompt={"image": 1})
-    picture = Image.open(IMAGES / "portrait.png")
-    with pytest.raises(ValueError, match="image input is not served yet"):
-        llm.chat([{"role": "user", "content": [{"type": "text", "text": "Here: "},
-                                               {"type": "image_url", "image_url": {"url": data_url(PNG)}}]}])
-    with pytest.raises(ValueError, match="image input is not served yet"):
-        llm.chat([{"role": "user", "content": [{"type": "image", "image": picture}]}])
-    prompt = "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
-    with pytest.raises(ValueError, match="image input is not served yet"):
-        llm.generate({"prompt": prompt, "multi_modal_data": {"image": picture}})
+    picture = Image.open(IMAGES / "landscape.png")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = GOLDEN["one_image.greedy"].tolist()
+    for part in ({"type": "image_url", "image_url": {"url": LANDSCAPE}}, {"type": "image", "image": picture}):
+        out = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}], greedy)
+        assert out[0].outputs[0].token_ids == expected
+    prompt = str(GOLDEN["one_image.prompt"])
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": picture}}, greedy)
+    assert out[0].prompt_token_ids == GOLDEN["one_image.input_ids"].tolist()
+    assert out[0].outputs[0].token_ids == expected
     with pytest.raises(ValueError, match=r"at most 1 image\(s\)"):
         llm.generate({"prompt": prompt, "multi_modal_data": {"image": [picture, picture]}})
     with pytest.raises(ValueError, match="0 image placeholders .* for 1 images"):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": picture}})
     assert llm.generate("<bos>Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
-    assert not llm.engine.has_unfinished()
+    assert not llm.engine.has_unfinished() and llm.engine.images.cache.num_referenced == 0

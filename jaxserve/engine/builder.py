@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.builtin_models import describe as describe_model
 from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
+from jaxserve.engine.images import NoImages, images_for
 from jaxserve.engine.kernel_choice import choose_linear_kernels
 from jaxserve.engine.precision import dtype_warnings
 from jaxserve.engine_args import EngineArgs
@@ -75,6 +76,8 @@ class BuiltModel:
     # the step programs' compile options (on a CPU: which library runs the matmuls, execution/cpu_matmuls.py;
     # on a GPU: which products merge, execution/gpu_fusion.py)
     compiler_options: dict = dataclasses.field(default_factory=dict)
+    # A vision model's encoder, encoder cache and step rows (`images.py`); for any other model, its refusal.
+    images: object = None
 
 
 def default_token_budget(max_num_seqs: int) -> int:
@@ -123,8 +126,9 @@ def build_model(args: EngineArgs) -> BuiltModel:
                   Checkpoint.read(model_dir))
     model, matmuls = _load(args, checkpoint, config, dtype, plan)
     built = _finish_build(args, name, model, tokenizer, matmuls)
-    return dataclasses.replace(built, weights_seconds=time.perf_counter() - start, runner=runner,
-                               pooler_config=pooler)
+    built = dataclasses.replace(built, runner=runner, pooler_config=pooler)
+    # The vision encoder's weights (if the engine runs the checkpoint's images) count as the model's.
+    return dataclasses.replace(built, images=images_for(args, built), weights_seconds=time.perf_counter() - start)
 
 
 def build_from_module(args: EngineArgs, name: str, module, config: ModelConfig, tokenizer: Tokenizer,
@@ -290,4 +294,5 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: T
                                                kv_cache_dtype=args.kv_cache_dtype),
                       sampler_config=SamplerConfig(max_logprobs=args.max_logprobs,
                                                    max_logit_bias=args.max_logit_bias),
-                      compiler_options=cpu_matmul_options(matmuls) | gpu_step_options(platform))
+                      compiler_options=cpu_matmul_options(matmuls) | gpu_step_options(platform),
+                      images=NoImages(args.served_model_name or name, None))

@@ -86,11 +86,12 @@ class Engine:
                                               head=head_for(built.runner, built.sampler_config.max_logprobs),
                                               compiler_options=built.compiler_options,
                                               max_drafts=args.speculative_config.num_speculative_tokens
-                                              if args.speculative_config else 0)
+                                              if args.speculative_config else 0, image_rows=built.images.rows)
         self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,
                                                                  self.runner.write_lora, args.lora_modules)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self.scheduler = Scheduler(built.scheduler_config, built.cache_config, self.lora)
+        self.images = built.images  # a vision model's (`images.py`): it refuses images for any other
+        self.scheduler = Scheduler(built.scheduler_config, built.cache_config, self.lora, built.images.scheduling)
         self.stats = EngineStats()
         self.tracker = RequestTracker(self.scheduler, self.tokenizer, self.grammars, self.stats,
                                       self.scheduler_config.max_model_len)
@@ -111,8 +112,7 @@ class Engine:
                     "(%.1f MB), prefix caching %s, %d slots, max_model_len %d", self.model_name,
                     self.model_config.model_type, self.model_config.num_layers, jnp.dtype(built.dtype).name,
                     built.attention.name, self.cache_config.num_pages, self.cache_config.page_size,
-                    self.runner.kv_abstract.num_bytes / 1e6,
-                    "on" if self.cache_config.enable_prefix_caching else "off",
+                    self.runner.kv_abstract.num_bytes / 1e6, "on" if self.cache_config.enable_prefix_caching else "off",
                     self.scheduler_config.max_num_seqs, self.scheduler_config.max_model_len)
         self.precision = Precision.of(built.model_config, built.dtype, built.model.params, self.runner.kv_abstract,
                                       page_bytes(built.model_config, 1, self.runner.kv_abstract.page_dtype),
@@ -189,20 +189,20 @@ class Engine:
         return self.submit(self.check_request(prompt_ids, params, priority, lora_request), request_id, prompt)
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, priority: int = 0,
-                      lora_request: LoRARequest | None = None) -> CheckedRequest:
+                      lora_request: LoRARequest | None = None, images: Sequence = ()) -> CheckedRequest:
         """Validate a request (a ValueError naming the parameter) and read its adapter (a `LoRAError`, a
         ValueError, when it cannot be served); allocates nothing. `priority` (only with the priority
-        scheduling policy): lower runs first."""
+        scheduling policy): lower runs first. `images`: the prompt's (`multimodal.prompt.PromptImage`s)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, params, priority)
-        return CheckedRequest(prompt_ids, params, priority, self.resolve_lora(lora_request))
+        return self.images.attach(CheckedRequest(prompt_ids, params, priority, self.resolve_lora(lora_request)), images)
 
     def submit(self, request: CheckedRequest, request_id: str | None = None, prompt: str | None = None) -> str:
         """Queue a checked request as it is (thread-safe): its n choices come out as RequestOutputs with
         `index` 0..n-1 under this one id. Returns the id."""
         request_id = request_id or uuid.uuid4().hex
         self._inbox.put(("add", self.tracker.new_choices(request.prompt_ids, request.params, request_id, prompt,
-                                                         request.priority, request.lora)))
+                                                         request.priority, request.lora, request.images)))
         return request_id
 
     def resolve_lora(self, lora_request: LoRARequest | None):

@@ -30,6 +30,7 @@ import jax
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.builder import BuiltModel, build_abstract, bytes_per_device
+from jaxserve.engine.images import abstract_rows
 from jaxserve.engine.roofline import StepWork
 from jaxserve.engine_args import EngineArgs
 from jaxserve.execution.kv_budget import KVShare, page_bytes, resolve_kv_budget
@@ -218,14 +219,16 @@ def _buckets(built: BuiltModel, programs: str) -> list[int]:
 
 
 def step_programs(built: BuiltModel, args: EngineArgs) -> StepPrograms:
-    """The step programs serving `args` would compile: LoRA slots and draft verification included."""
+    """The step programs serving `args` would compile: LoRA slots, draft verification and a vision model's
+    image input included."""
     lora = None if not args.enable_lora else LoRASlots.abstract_stack(
         built.model_config, args.max_loras, args.max_lora_rank, built.dtype, built.model.plan)
     return StepPrograms.build(built.model, built.model_config, built.cache_config, built.scheduler_config,
                               built.attention, built.dtype, built.sampler_config,
                               head=head_for(built.runner, built.sampler_config.max_logprobs),
                               lora_stack=lora, max_drafts=args.speculative_config.num_speculative_tokens
-                              if args.speculative_config else 0, compiler_options=built.compiler_options)
+                              if args.speculative_config else 0, compiler_options=built.compiler_options,
+                              image_rows=abstract_rows(args, built))
 
 
 def compile_programs(programs: StepPrograms, buckets: list[int], target: Target, tracker=None) -> list[ProgramMemory]:

@@ -6,8 +6,9 @@ continuously, and the results come back in prompt order.
 Images (vision-language checkpoints): `chat` takes OpenAI's image parts (`{"type": "image_url", "image_url":
 {"url": ...}}`, or `{"type": "image", "image": <PIL image>}`) and `generate` vLLM's `{"prompt": text,
 "multi_modal_data": {"image": <PIL image or a list>}}` (the text holding the model's image placeholder once
-per image). They are loaded, checked and turned into the prompt's image tokens (jaxserve/multimodal/), then
-refused: the engine does not run vision encoders yet.
+per image). They are loaded, checked and turned into the prompt's image tokens (jaxserve/multimodal/), and the
+engine runs the model's vision encoder on them (Gemma 3; a model whose images it does not run refuses them by
+name).
 
 Multi-host (`distributed_coordinator=...`): run the same script on every host. Process 0's calls do the
 work and return the outputs; on the other processes each call runs process 0's device steps for that
@@ -80,12 +81,13 @@ class LLM:
         priority = self._per_prompt(priority, 0, len(encoded), "priority")
         lora_request = self._per_prompt(lora_request, None, len(encoded), "lora_request")
         # Validate everything before queueing anything, so a bad prompt leaves nothing half-submitted.
-        for (_, ids), params, rank in zip(encoded, sampling_params, priority):
-            self.engine.validate(ids, params, rank)
+        for (_, ids, images), params, rank in zip(encoded, sampling_params, priority):
+            self.engine.check_request(ids, params, rank, images=images)
         for lora in set(lora_request) - {None}:
             self.engine.resolve_lora(lora)
-        return self._run([self.engine.add_request(ids, params, prompt=text, priority=rank, lora_request=lora)
-                          for (text, ids), params, rank, lora in zip(encoded, sampling_params, priority, lora_request)],
+        return self._run([self.engine.submit(self.engine.check_request(ids, params, rank, lora, images), prompt=text)
+                          for (text, ids, images), params, rank, lora in zip(encoded, sampling_params, priority,
+                                                                             lora_request)],
                          [params.n for params in sampling_params], use_tqdm)
 
     @staticmethod
@@ -110,10 +112,12 @@ class LLM:
     def _embed(self, prompts, pooling_params, use_tqdm: bool) -> list[EmbeddingRequestOutput]:
         encoded, pooling_params = self._encoded(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                                 PoolingParams, "pooling_params")
-        for (_, ids), params in zip(encoded, pooling_params):  # everything checked before anything is queued
+        for index, ((_, ids, images), params) in enumerate(zip(encoded, pooling_params)):  # all checked first
+            if images:
+                raise ValueError(f"prompts[{index}].multi_modal_data: the pooling runner takes no images")
             self.engine.pooling.validate(ids, params)
         ids = [self.engine.pooling.add(ids, params, prompt=text)
-               for (text, ids), params in zip(encoded, pooling_params)]
+               for (text, ids, _), params in zip(encoded, pooling_params)]
         done: dict[str, EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Embedding", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
@@ -122,10 +126,11 @@ class LLM:
                     bar.update()
         return [done[i] for i in ids]
 
-    def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int]]],
-                                                                                list]:
-        """The prompts as a list of (text or None, token ids), and `params` as one entry per prompt. A prompt
-        is text, token ids, or vLLM's dict forms: `{"prompt": text}` or `{"prompt_token_ids": ids}`."""
+    def _encoded(self, prompts, params, params_type: type, name: str) -> tuple[list[tuple[str | None, list[int],
+                                                                                      tuple]], list]:
+        """The prompts as a list of (text or None, token ids, images), and `params` as one entry per prompt. A
+        prompt is text, token ids, a list of token ids with its images (`chat`), or vLLM's dict forms:
+        `{"prompt": text}`, `{"prompt_token_ids": ids}`, `{"prompt": text, "multi_modal_data": ...}`."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -135,11 +140,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{name} has {len(params)} entries for {len(prompts)} prompts")
         tokenizer = self.engine.tokenizer
+        encoded = []
         for i, p in enumerate(prompts):
             if isinstance(p, dict) and "multi_modal_data" in p:
-                self._image_prompt(p, i)
-        prompts = [_prompt_of(p, i) for i, p in enumerate(prompts)]
-        return [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts], params
+                prompt = self._image_prompt(p, i)
+                encoded.append((prompt.text, list(prompt.token_ids), prompt.images))
+            elif isinstance(p, _WithImages):
+                encoded.append((None, list(p.token_ids), p.images))
+            else:
+                p = _prompt_of(p, i)
+                encoded.append((p, tokenizer.encode(p), ()) if isinstance(p, str) else (None, list(p), ()))
+        return encoded, params
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -153,15 +164,18 @@ class LLM:
                                                  chat_template=chat_template)
 
         def chat() -> list[RequestOutput]:
+            prompts = []
             for conversation in conversations:
+                prompt = None
                 if any(isinstance(m.get("content"), list) for m in conversation):
-                    self._chat_images(conversation, render)
-            prompts = [tokenizer.encode(render(c), add_special_tokens=False) for c in conversations]
+                    prompt = self._chat_images(conversation, render)
+                prompts.append(tokenizer.encode(render(conversation), add_special_tokens=False) if prompt is None
+                               else _WithImages(prompt.token_ids, prompt.images))
             return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
         return self.engine.call(chat, on_follower=[])
 
-    # -- images: loaded, checked and prepared up to the engine, which does not take them yet ------------------
+    # -- images: loaded, checked and prepared for the engine, which refuses them for a model it runs none of ----
 
     def _images(self):
         if self._image_inputs is None:
@@ -169,22 +183,22 @@ class LLM:
             self._image_inputs = ImageInputs.from_args(self.engine.args, self.engine.model_name)
         return self._image_inputs
 
-    def _chat_images(self, conversation: list[dict], render) -> None:
-        """A conversation's image parts through the request side (ValueError naming the part)."""
+    def _chat_images(self, conversation: list[dict], render):
+        """A conversation's image parts through the request side: its `MultiModalPrompt`, or None without
+        images (ValueError naming the part)."""
         from jaxserve.multimodal.chat_parts import split_images
-        from jaxserve.multimodal.prompt import require_served
         messages, sources = split_images(conversation)
-        if sources:
-            inputs = self._images()
-            inputs.check(sources)
-            prompt = inputs.prompt(render(messages), inputs.load(sources), sources,
-                                   lambda text: self.engine.tokenizer.encode(text, add_special_tokens=False))
-            require_served(prompt)
+        if not sources:
+            return None
+        inputs = self._images()
+        inputs.check(sources)
+        return inputs.prompt(render(messages), inputs.load(sources), sources,
+                             lambda text: self.engine.tokenizer.encode(text, add_special_tokens=False))
 
-    def _image_prompt(self, prompt: dict, index: int) -> None:
-        """vLLM's `{"prompt": text, "multi_modal_data": {"image": ...}}` through the request side."""
+    def _image_prompt(self, prompt: dict, index: int):
+        """vLLM's `{"prompt": text, "multi_modal_data": {"image": ...}}` through the request side: its
+        `MultiModalPrompt`."""
         from jaxserve.multimodal.chat_parts import ImageSource
-        from jaxserve.multimodal.prompt import require_served
         data, field = prompt["multi_modal_data"], f"prompts[{index}].multi_modal_data"
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ValueError(f"{field} must be {{'image': <PIL image or a list of them>}} (images only)")
@@ -195,8 +209,8 @@ class LLM:
         sources = [ImageSource(image, f"{field}.image[{k}]") for k, image in enumerate(images)]
         inputs = self._images()
         inputs.check(sources)
-        require_served(inputs.prompt(prompt["prompt"], inputs.load(sources), sources, self.engine.tokenizer.encode,
-                                     field=f"prompts[{index}].prompt"))
+        return inputs.prompt(prompt["prompt"], inputs.load(sources), sources, self.engine.tokenizer.encode,
+                             field=f"prompts[{index}].prompt")
 
     def _run(self, request_ids: list[str], choices: list[int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every choice of every request is finished; one RequestOutput per request, its
@@ -222,6 +236,13 @@ class LLM:
                                          prompt_logprobs=prompt_logprobs.get(request_id))
             results.append(result)
         return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithImages:
+    """A chat prompt prepared with its images (`chat`)."""
+    token_ids: list[int]
+    images: tuple
 
 
 def _prompt_of(prompt, index: int):

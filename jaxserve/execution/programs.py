@@ -6,7 +6,7 @@ adds the arrays) and for a slice that is not here (`jaxserve plan`, on compile-o
    `BatchLayout` per token bucket, and the `StepState` the step takes donated and returns: the KV cache
    (`KVCache.abstract`), the previous step's samples and the head's state (the draw head's sampler state).
 2. `inputs(layout)` is a bucket's program arguments as shapes and shardings (the batch buffers, the grammar
-   masks where the head takes them, the LoRA stacks); `lower(layout)` lowers it.
+   masks where the head takes them, the LoRA stacks, a vision model's encoder rows); `lower(layout)` lowers it.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class StepPrograms:
     state: StepState  # abstract
     lora: object  # the LoRA slot stacks, abstract, or None
     mask_words: int  # int32 words of one row's allowed-token bitmask
+    image_rows: object = None  # a vision model's `image_rows.EncoderRowsBuilder` (its input's shapes); None: no images
 
     @property
     def kv_cache(self) -> KVCache:
@@ -70,11 +71,13 @@ class StepPrograms:
     def build(cls, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
               scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
               sampler_config: SamplerConfig = SamplerConfig(), head: OutputHead | None = None, lora_stack=None,
-              max_drafts: int = 0, compiler_options: dict | None = None) -> "StepPrograms":
+              max_drafts: int = 0, compiler_options: dict | None = None, image_rows=None) -> "StepPrograms":
         """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `head`: what
         the steps produce (default: the draw head, `heads/`); `lora_stack`: the
         LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
-        sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program."""
+        sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program;
+        `image_rows`: a vision model's `EncoderRowsBuilder` (the steps place encoder rows at image tokens, and
+        with its `spans` an image's tokens attend to each other)."""
         head = head or DrawHead(sampler_config.max_logprobs)
         plan = model.plan
         max_seqs = scheduler_config.max_num_seqs
@@ -87,9 +90,10 @@ class StepPrograms:
                           head.abstract_state(max_seqs, model_config.vocab_size, rep))
         lora = None if lora_stack is None else abstract(lora_stack)
         step = jit_step(model, plan, attention, model_config, state, max_seqs, masks=head.takes_masks, lora=lora,
-                        compiler_options=compiler_options)
+                        compiler_options=compiler_options, images=image_rows is not None,
+                        image_spans=image_rows is not None and image_rows.spans)
         return cls(step, head, layouts, tuple(abstract(jax.tree.leaves(model.params))), state, lora,
-                   (model_config.vocab_size + 31) // 32)
+                   (model_config.vocab_size + 31) // 32, image_rows)
 
     def inputs(self, layout: BatchLayout) -> tuple:
         """The arguments of `layout`'s program, but for the two static ones (the layout, the logits flag)."""
@@ -97,7 +101,8 @@ class StepPrograms:
         masks = None
         if self.head.takes_masks:
             masks = jax.ShapeDtypeStruct((layout.seqs, self.mask_words), jnp.int32, sharding=self.state.samples.sharding)
-        return self.params, self.state, StepInputs(ints, floats, masks, self.lora)
+        images = None if self.image_rows is None else self.image_rows.abstract(layout.tokens)
+        return self.params, self.state, StepInputs(ints, floats, masks, self.lora, images)
 
     def lower(self, layout: BatchLayout):
         return self.step.lower(*self.inputs(layout), layout, False)

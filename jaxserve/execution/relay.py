@@ -40,7 +40,9 @@ class LeaderRunner(ModelRunner):
         self.channel = StepChannel()
 
     def dispatch(self, step: StepPlan | None, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
-                 masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
+                 masks: np.ndarray | None, with_logits: bool, images=None) -> LaunchedStep:
+        if images is not None:  # the engine loads no vision encoder on a multi-host mesh
+            raise NotImplementedError("image inputs are not relayed to follower processes")
         flags = int(with_logits) | (_HAS_MASKS if masks is not None else 0)
         self.channel.send(STEP, layout.tokens, flags, (ints, floats) if masks is None else (ints, floats, masks))
         return super().dispatch(step, layout, ints, floats, masks, with_logits)

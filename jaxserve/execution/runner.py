@@ -13,6 +13,8 @@
    it arrived and whether the host had to wait for it: the engine's step-time measurements
    (`jaxserve/scheduling/step_cost.py`). `time_idle_step` times a bucket's program at warm-up, and
    `run_warmup_batches` runs it once through its loops and branches.
+   A vision model's steps also carry the encoder rows of their image tokens (`image_rows.py`), gathered from
+   the encoder cache at launch; a step without images reads a blank kept on the device.
 4. `run(step)` is one step with every row's logits, waited for (research, parity tests).
 5. With LoRA, the adapters' slot stacks (`jaxserve/lora/slots.py`) are one more input of every step;
    `write_lora(slot, adapter)` fills a slot between steps, and no step program changes.
@@ -34,6 +36,7 @@ from jaxserve.execution.batch import BatchBuilder, BatchLayout
 from jaxserve.execution.compile_events import CompileEvents
 from jaxserve.execution.compiler import StepCompiler, WarmupReport
 from jaxserve.execution.heads.draw import DrawHead, DrawResults
+from jaxserve.execution.image_rows import EncoderRows, EncoderRowsBuilder
 from jaxserve.execution.programs import StepPrograms
 from jaxserve.execution.step_io import OutputHead, StepInputs, StepOutputs, StepState, to_host
 from jaxserve.loader.placement import ShardedModel
@@ -91,10 +94,11 @@ class ModelRunner:
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
                  head: OutputHead | None = None, lora: LoRASlots | None = None, max_drafts: int = 0,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, image_rows: EncoderRowsBuilder | None = None):
         """`head`: what the steps produce (`heads/`; default: the draw head); `lora`: the LoRA adapters'
         device slots (`enable_lora`); `max_drafts`: draft tokens a sequence may verify per step (speculative
-        decoding; 0: off); `compiler_options`: XLA options of the step programs (`cpu_matmuls.py`)."""
+        decoding; 0: off); `compiler_options`: XLA options of the step programs (`cpu_matmuls.py`);
+        `image_rows`: a vision model's encoder and the rows it places in each step (`image_rows.py`)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -111,7 +115,8 @@ class ModelRunner:
         self.head = head or DrawHead(sampler_config.max_logprobs)
         self.programs = StepPrograms.build(model, model_config, cache_config, scheduler_config, attention, dtype,
                                            sampler_config, self.head, None if lora is None else lora.stack,
-                                           max_drafts, compiler_options)
+                                           max_drafts, compiler_options, image_rows)
+        self.image_rows = image_rows
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
         # The cache's pages are filled with zeros on a thread: on CPU that is a pass over fresh memory
@@ -187,6 +192,12 @@ class ModelRunner:
             with self.events.counting(warmup=True):
                 self.lora.warm_up()
         report = self.compiler.warmup(background, on_done, self._build_program)
+        # The vision encoder's programs, after the steps' warm-up batches: compiled before them, its bucket-1
+        # program was traced again at the first image under the Pallas Triton kernel in interpret mode on CPU
+        # (no global config changed; the cause is in the interpret mode's tracing context).
+        if self.image_rows is not None:
+            with self.events.counting(warmup=True):
+                self.image_rows.encoder.warmup()
         self.state  # noqa: B018 - the cache was being filled, meanwhile, on its thread
         return report
 
@@ -221,10 +232,14 @@ class ModelRunner:
         ints, floats = self.builder.build(step, layout)
         if masks is not None:  # the plan's rows, then all-allowed padding rows up to the layout's
             masks = np.concatenate([masks, self._all_allowed(layout.seqs - len(masks))])
-        return self.dispatch(step, layout, ints, floats, masks, with_logits)
+        images = None
+        if self.image_rows is not None:  # encoding a step's new images compiles nothing after warm-up
+            with self.events.counting():
+                images = self.image_rows.build(step, layout.tokens)
+        return self.dispatch(step, layout, ints, floats, masks, with_logits, images)
 
     def dispatch(self, step: StepPlan | None, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
-                  masks: np.ndarray | None, with_logits: bool) -> LaunchedStep:
+                  masks: np.ndarray | None, with_logits: bool, images: EncoderRows | None = None) -> LaunchedStep:
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         if not self.head.takes_masks:
             masks = None
@@ -232,7 +247,9 @@ class ModelRunner:
             masks = self._open_masks[layout.tokens]
         else:
             masks = jax.device_put(masks, self.plan.replicated)
-        inputs = StepInputs(ints, floats, masks, None if self.lora is None else self.lora.stack)
+        if self.image_rows is not None and images is None:
+            images = self.image_rows.blank(layout.tokens)
+        inputs = StepInputs(ints, floats, masks, None if self.lora is None else self.lora.stack, images)
         launched_at = time.perf_counter()
         with self.events.counting():
             self._state, outputs = self.compiler.program(layout, with_logits)(self._param_leaves, self.state, inputs)
@@ -260,7 +277,8 @@ class ModelRunner:
         for every_option in (False, True):
             ints, floats = self.builder.warmup(layout, every_option)
             masks = self._all_allowed(layout.seqs) if every_option else None
-            jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, with_logits=False).outputs)
+            images = self.image_rows.warmup(layout.tokens) if self.image_rows is not None and every_option else None
+            jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, False, images).outputs)
         self.forget_samples()
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:

@@ -5,8 +5,8 @@
    state (the draw head's sampler state). The runner keeps one, and replaces it with each step's.
 2. `StepInputs` is everything else the step reads, fresh each step: the two packed batch buffers (the
    common `StepBatch` fields and the head's own, `batch.py`), the head's extra inputs (the draw head's
-   grammar masks) and the LoRA adapters' slot stacks. An input that a later mode adds (an image encoder's
-   rows, placed at the image tokens of the ragged batch) is one more field here, read by the step's body.
+   grammar masks), the LoRA adapters' slot stacks and, for a vision model, the image encoder's rows placed at
+   the image tokens of the ragged batch (`image_rows.py`). A later input is one more field here.
 3. `StepOutputs` is what the step returns besides the state: the head's result, the step's tokens as it
    ran them (pending ones read from the device: what a draft model follows) and, when asked, the logits.
 4. An `OutputHead` is chosen once at start from the model and the serving mode (`heads/`): it names its
@@ -44,6 +44,7 @@ class StepInputs:
     floats: Any  # [packing.float_size] float32 its float fields
     masks: Any = None  # [S, W] int32 allowed-token bitmask per sequence row (a head that takes masks)
     lora: LoRAStack | None = None  # the adapters' slot stacks (`jaxserve/lora/slots.py`); None without LoRA
+    images: Any = None  # `image_rows.EncoderRows` ([R, H] rows, [T] row per token, [T] span ends); None: no images
 
 
 @jax.tree_util.register_dataclass

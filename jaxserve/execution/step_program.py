@@ -7,8 +7,9 @@ jitted once per (token bucket, logits flag).
 2. The body (`_step_local`, on each device's shards) unpacks the batch buffers, takes the tokens that are
    still on the device from the previous step's samples, runs every layer over the flat tokens (pipeline
    stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their slots and attends
-   through the backend's ragged paged attention, then hands the hidden states after the final norm to the
-   output head the layout names (`heads/`: the draw head samples and verifies drafts; a serving mode that
+   through the backend's ragged paged attention (a vision model's image rows replace their tokens'
+   embeddings first, `image_rows.py`, and its image tokens may see their whole image), then hands the
+   hidden states after the final norm to the output head the layout names (`heads/`: the draw head samples and verifies drafts; a serving mode that
    produces something else brings its own head, and nothing here changes).
 """
 
@@ -22,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.execution.batch import BatchLayout, StepBatch
+from jaxserve.execution.image_rows import EncoderRows, place_rows
 from jaxserve.execution.step_io import StepInputs, StepOutputs, StepState
 from jaxserve.lora.delta import LoRAInputs, LoRAStack
 from jaxserve.model.kv_cache import attention_operands
@@ -31,23 +33,28 @@ from sharding.pipeline import num_microbatches, run_pipeline
 
 
 def jit_step(model, plan: MeshPlan, attention, config, state: StepState, rows: int, masks: bool = True,
-             lora: LoRAStack | None = None, compiler_options: dict | None = None):
+             lora: LoRAStack | None = None, compiler_options: dict | None = None, images: bool = False,
+             image_spans: bool = False):
     """The jitted step over `model`'s parameters, given as a flat tuple of leaves: flattening an nnx.State
     runs Python code for every leaf, on every call, on the critical path of each step. Call it as
     `step(param_leaves, state, inputs, layout, with_logits)`; `state`: the `StepState` as shapes and
     shardings; `rows`: sequence rows of the samples (max_num_seqs); `masks`: the inputs carry grammar masks
     (the output head takes them); `lora`: the LoRA slot stacks (`jaxserve/lora/slots.py`, shaped like the
     given one), or None without LoRA; `compiler_options`: XLA options of every program of the step
-    (`cpu_matmuls.py`)."""
+    (`cpu_matmuls.py`); `images`: the inputs carry encoder rows (`image_rows.EncoderRows`) placed at the image
+    tokens; `image_spans`: an image's tokens attend to each other bidirectionally (Gemma 3)."""
     leaves, param_tree = jax.tree.flatten(model.params)
     rep = plan.replicated
     state_sharding = jax.tree.map(lambda a: a.sharding, state)
     state_specs = jax.tree.map(lambda a: a.sharding.spec, state)
-    step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp, rows=rows)
+    step_kwargs = dict(graphdef=model.graphdef, attention=attention, config=config, pp=plan.pp, rows=rows,
+                       image_spans=image_spans)
     lora_sharding = jax.tree.map(lambda a: a.sharding, lora)
     lora_specs = jax.tree.map(lambda a: a.sharding.spec, lora) if lora is not None else P()
-    input_sharding = StepInputs(rep, rep, rep if masks else None, lora_sharding)
-    input_specs = StepInputs(P(), P(), P() if masks else None, lora_specs)
+    input_sharding = StepInputs(rep, rep, rep if masks else None, lora_sharding,
+                                EncoderRows(rep, rep, rep) if images else None)
+    input_specs = StepInputs(P(), P(), P() if masks else None, lora_specs,
+                             EncoderRows(P(), P(), P()) if images else None)
 
     def step(param_leaves, state, inputs, layout, with_logits):
         # check_vma=False: the outputs are replicated by construction (all-reduced or all-gathered,
@@ -81,7 +88,7 @@ def _null_writes(write_index: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, attention, config, pp, rows: int,
-                layout: BatchLayout, with_logits: bool):
+                image_spans: bool, layout: BatchLayout, with_logits: bool):
     model = nnx.merge(graphdef, params)
     batch: StepBatch = layout.unpack(inputs.ints, inputs.floats)
     # Tokens sampled by the previous step that the host has not seen yet come straight from the device.
@@ -95,6 +102,9 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
     split = lambda a: a.reshape(m, size)
     micro_tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
     lora_slots = split(batch.lora_slot)
+    images = inputs.images
+    if images is not None:
+        row_of_token, span_ends = split(images.row_of_token), split(images.span_ends)
 
     def stage(x, micro, valid, kv):
         cos, sin = model.rope(positions[micro])
@@ -104,6 +114,8 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
             # A layer may bring its own scoring (Gemma: its window, the query scale, a soft cap); its pages
             # are the block from `first_page` (`KVCache.for_layer`).
             scoring = dict(sm_scale=config.head_dim ** -0.5, sliding_window=config.sliding_window) | scoring
+            if image_spans:  # an image token also sees the later tokens of its image
+                scoring["span_ends"] = span_ends[micro]
             k_pages, v_pages, scales = attention_operands(k_pages, v_pages)  # quantized pages: + their scales
             return attention.ragged(q, k_pages, v_pages, kv_lens, batch.page_tables + first_page, cu_q_lens,
                                     **scoring, **scales)
@@ -112,7 +124,11 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
         return model.run_layers(x, cos, sin, kv, _null_writes(write_index[micro], valid), attend, TP_AXES,
                                 lora_inputs)
 
-    hidden, kv_cache = run_pipeline(stage, lambda i: model.embed(micro_tokens[i], TP_AXES), m, state.kv_cache, pp)
+    def embed(i):
+        x = model.embed(micro_tokens[i], TP_AXES)
+        return x if images is None else place_rows(x, images.rows, row_of_token[i])
+
+    hidden, kv_cache = run_pipeline(stage, embed, m, state.kv_cache, pp)
     hidden = model.norm(hidden.reshape(num_tokens, -1))
     logits_fn = lambda h, float32=True: model.logits(h, TP_AXES, float32=float32)
     head_state, samples, result = layout.head.run(hidden, logits_fn, batch, state, inputs, layout, rows, tokens,

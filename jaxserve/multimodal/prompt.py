@@ -9,8 +9,8 @@
 4. `prompt(text, images, sources, encode)` preprocesses each image as the checkpoint's processor does,
    expands the rendered prompt's placeholders to the images' token runs, tokenizes it and finds each run:
    per image its pixels, grid, content hash and token span (`placeholder_ranges`).
-5. `require_served(prompt)` is the engine's door for now: the engine does not run vision encoders yet
-   (its step contract is being rewritten first), so a prepared vision prompt is refused there, plainly.
+5. The engine takes the prompt's token ids and its images (`Engine.check_request`): it runs the vision
+   encoder where it serves the family's images (Gemma 3) and refuses them by name elsewhere.
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ import numpy as np
 from PIL import Image
 
 from jaxserve.config_families import GEMMA3_VISION_TYPES, QWEN_VL_TYPES
-from jaxserve.errors import InvalidParameter
+from jaxserve.errors import ImagesNotServed, InvalidParameter
 from jaxserve.json_files import read_json_object
 from jaxserve.multimodal.chat_parts import ImageSource
 from jaxserve.multimodal.media import MediaPolicy, image_hash, load_image
 from jaxserve.multimodal.processors import image_processor
 
 VISION_TYPES = GEMMA3_VISION_TYPES + QWEN_VL_TYPES
-
-
-class ImagesNotServed(InvalidParameter):
-    """Images for a model or an engine that cannot take them (a 400 naming the first image's field)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,12 +110,3 @@ class ImageInputs:
             PromptImage(image_hash(image), p.pixel_values, p.grid_thw, offset, length, s.field)
             for image, p, s, (offset, length) in zip(images, processed, sources, spans)),
             self.processor.image_token_id)
-
-
-def require_served(prompt: MultiModalPrompt) -> None:
-    """Where the engine will take `prompt` once it runs vision encoders; until then, a plain refusal."""
-    if prompt.images:
-        raise ImagesNotServed(prompt.first_field,
-                              f"{prompt.first_field}: image input is not served yet: the images were read and the "
-                              f"prompt prepared ({len(prompt.token_ids)} tokens, {len(prompt.images)} image(s)), "
-                              f"but jaxserve's engine does not run the vision encoder yet; send text only")

@@ -1,7 +1,8 @@
 """Automatic prefix caching: full KV pages named by a hash chain of their tokens, reused across requests.
 
 1. `page_key(parent, tokens, extra_keys)` is SHA-256 over the previous page's key, this page's token ids
-   and extra keys (a request's `cache_salt`). Because the parent key is folded in, a key names the whole
+   and extra keys (a request's `cache_salt`; the hashes of the images whose placeholder tokens the page
+   holds). Because the parent key is folded in, a key names the whole
    prefix up to the end of its page, not just the page: equal keys mean equal K/V, whatever the page's
    position. Extra keys enter at the first page and reach every later page through the chain, so two
    salts never produce a common key.
@@ -21,7 +22,7 @@ import hashlib
 import json
 import struct
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 PageKey = bytes  # 32-byte SHA-256 digest
 
@@ -44,16 +45,20 @@ def page_key(parent: PageKey | None, token_ids: Sequence[int], extra_keys: Seque
 
 
 def extend_page_keys(keys: list[PageKey], token_ids: Sequence[int], page_size: int, num_pages: int,
-                     extra_keys: Sequence = ()) -> list[PageKey]:
+                     extra_keys: Sequence = (), page_extras: Callable[[int], tuple] | None = None) -> list[PageKey]:
     """Append keys to `keys` (in place) until it covers the first `num_pages` full pages of `token_ids`.
 
-    Only full pages get keys: a partial page can still change, so it cannot be shared.
+    Only full pages get keys: a partial page can still change, so it cannot be shared. `page_extras(i)`: keys
+    of page i's own (the images whose placeholder tokens it holds, `scheduling/images.py`).
     """
     num_pages = min(num_pages, len(token_ids) // page_size)
     while len(keys) < num_pages:
         i = len(keys)
         parent = keys[-1] if keys else None
-        keys.append(page_key(parent, token_ids[i * page_size:(i + 1) * page_size], extra_keys if i == 0 else ()))
+        extra = tuple(extra_keys) if i == 0 else ()
+        if page_extras is not None:
+            extra += page_extras(i)
+        keys.append(page_key(parent, token_ids[i * page_size:(i + 1) * page_size], extra))
     return keys
 
 

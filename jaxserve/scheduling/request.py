@@ -72,6 +72,7 @@ class Request:
     output: OutputState = dataclasses.field(default_factory=OutputState)
     grammar: GrammarState | None = None  # structured outputs: its place in the grammar
     lora: object | None = None  # its LoRA adapter (`jaxserve.lora.manager.ActiveLoRA`); None: the base model
+    images: tuple = ()  # its prompt's images (`scheduling/images.ImageSpan`), in prompt order
     # -- scheduling: the scheduler alone writes these ---------------------------------------------------
     slot: int | None = None
     lora_slot: int = 0  # the device slot of its adapter while admitted; 0: none

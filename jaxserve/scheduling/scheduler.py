@@ -19,7 +19,8 @@
    running request in queue order is preempted and will be recomputed), then prefill chunks of as many
    prefilling sequences as fit, first in queue order. The step is a `StepPlan` of plain `ScheduledSeq`s:
    one ragged batch. Under the priority policy a waiting request may first preempt running requests of
-   a lower priority (a larger value) to get a slot and pages.
+   a lower priority (a larger value) to get a slot and pages. A vision model's image tokens count against an
+   encoder budget too, and a chunk holds an image whole where its tokens attend to each other (`images.py`).
 3. A step that carries decodes takes only as many prefill tokens as keep it under the inter-token
    latency target, by the step-time model (`step_cost.py`): a long prompt then prefills in chunks
    beside the decodes instead of stalling them. It may always grow to the bucket above the decodes'
@@ -50,6 +51,7 @@ from typing import Protocol
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.scheduling.pages import PageAllocator, pages_needed
+from jaxserve.scheduling.images import ImageScheduling, image_chunks, page_extras
 from jaxserve.scheduling.prefix_cache import PrefixCache, extend_page_keys
 from jaxserve.scheduling.request import Request, Status
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
@@ -63,7 +65,8 @@ class LoRASlots(Protocol):
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, lora: LoRASlots | None = None):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, lora: LoRASlots | None = None,
+                 images: ImageScheduling | None = None):
         self.config = scheduler_config
         self.page_size = cache_config.page_size
         self.prefix_cache = PrefixCache() if cache_config.enable_prefix_caching else None
@@ -80,6 +83,7 @@ class Scheduler:
         # What steps cost on the device: the engine calibrates it at warm-up and feeds it measured steps.
         self.step_cost = StepCostModel(scheduler_config.token_buckets)
         self.by_priority = scheduler_config.scheduling_policy == "priority"
+        self.images = images  # a vision model's encoder cache and budget; None: text only
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -113,6 +117,8 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if request.images:
+            self.images.acquire(request)
         self._requeue(request)
 
     def schedule(self, token_limit: int | None = None) -> StepPlan:
@@ -136,6 +142,7 @@ class Scheduler:
         cap = self._latency_cap(seqs, limit)
         threshold = self.config.long_prefill_token_threshold or limit
         partial = self.config.max_num_partial_prefills or limit
+        rows_left = self.images.rows_per_step if self.images is not None else 0
         for request in running:
             if budget == 0 or partial == 0:
                 break
@@ -145,7 +152,10 @@ class Scheduler:
                     n = cap.fit(n, request.num_computed)
                     if n == 0:
                         break
+                if request.images and (n := self.images.fit(request, n, rows_left)) == 0:
+                    continue  # its next image does not fit this step
                 seq = self._prefill_seq(request, n, len(seqs))
+                rows_left -= sum(chunk.count for chunk in seq.images)
                 seqs.append(seq)
                 budget -= seq.num_tokens
                 partial -= 1
@@ -205,7 +215,8 @@ class Scheduler:
             targets = tuple(request.token_ids[start + 1:min(start + n + 1, request.num_prompt_tokens)])
         seq = self._seq(request, start, n, tuple(request.token_ids[start:start + n]), is_prefill=True,
                         first_chunk=start == request.admitted_at, prompt_targets=targets,
-                        sample_step=request.num_tokens - request.num_prompt_tokens if last else -1)
+                        sample_step=request.num_tokens - request.num_prompt_tokens if last else -1,
+                        images=image_chunks(request.images, start, n))
         request.num_computed += n
         if last:
             self._mark_drawn(request, row)
@@ -215,7 +226,7 @@ class Scheduler:
 
     def _seq(self, request: Request, start: int, n: int, tokens: tuple[int, ...] | None, *, sample_step: int,
              prev_row: int = -1, num_draft_tokens: int = 0, is_prefill: bool = False, first_chunk: bool = False,
-             prompt_targets: tuple[int, ...] | None = None) -> ScheduledSeq:
+             prompt_targets: tuple[int, ...] | None = None, images: tuple = ()) -> ScheduledSeq:
         new_in_slot = request.num_pages_sent == 0  # its first span since (re)admission: a fresh page-table row
         new_pages = tuple(request.pages[request.num_pages_sent:])
         request.num_pages_sent = len(request.pages)
@@ -227,7 +238,7 @@ class Scheduler:
                             num_draft_tokens=num_draft_tokens, constrained=request.constrained,
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
-                            prompt_targets=prompt_targets, lora_slot=request.lora_slot,
+                            prompt_targets=prompt_targets, lora_slot=request.lora_slot, images=images,
                             head_setting=request.head_state.setting if request.head_state is not None else 0)
 
     @staticmethod
@@ -301,7 +312,8 @@ class Scheduler:
         # At most target - 1 tokens, in whole pages: the last token is computed for its logits, and it
         # and everything after it land in pages this request owns alone.
         usable = (target - 1) // self.page_size
-        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, _extra_keys(request))
+        extend_page_keys(request.page_keys, request.token_ids, self.page_size, usable, _extra_keys(request),
+                         page_extras(request.images, self.page_size))
         return self.prefix_cache.lookup(request.page_keys[:usable])
 
     def register_full_pages(self, request: Request) -> None:
@@ -312,7 +324,8 @@ class Scheduler:
         full = min(request.num_computed, len(request.token_ids)) // self.page_size
         if full <= request.num_registered:
             return
-        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full, _extra_keys(request))
+        keys = extend_page_keys(request.page_keys, request.token_ids, self.page_size, full, _extra_keys(request),
+                                page_extras(request.images, self.page_size))
         for i in range(request.num_registered, full):
             self.prefix_cache.register(request.pages[i], keys[i])
         request.num_registered = full
@@ -402,7 +415,10 @@ class Scheduler:
         request.num_computed -= seq.num_draft_tokens - max(accepted - 1, 0)
 
     def reset_prefix_cache(self) -> int:
-        """Evict every idle cached page (pages in use keep theirs); returns how many were evicted."""
+        """Evict every idle cached page (pages in use keep theirs); returns how many were evicted. The encoder
+        cache drops the rows of every image no request needs."""
+        if self.images is not None:
+            self.images.cache.clear_idle()
         return self.allocator.evict_cached()
 
     def finish(self, request: Request, reason: str) -> None:
@@ -413,6 +429,8 @@ class Scheduler:
         request.forks = []
         self.register_full_pages(request)
         self._release(request)
+        if request.images:
+            self.images.release(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.num_pending = 0

@@ -53,6 +53,7 @@ class ScheduledSeq:
     prompt_targets: tuple[int, ...] | None = None  # prompt logprobs: the prompt token after each span row
     head_setting: int = 0  # the output head's per-sequence input (`HeadState.setting`), for a head that has one
     lora_slot: int = 0  # the device slot of its LoRA adapter; 0: the base model alone
+    images: tuple = ()  # the image tokens in its span (`scheduling/images.ImageChunk`): encoder rows to place
 
     @property
     def samples(self) -> bool:

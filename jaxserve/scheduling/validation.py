@@ -23,6 +23,7 @@ class CheckedRequest:
     params: SamplingParams
     priority: int = 0
     lora: object | None = None  # `jaxserve.lora.manager.ActiveLoRA`; None: the base model
+    images: tuple = ()  # its prompt's images (`scheduling/images.ImageSpan`), for a vision model's engine
 
 
 def validate_prompt(prompt_ids: Sequence[int], model: ModelConfig, scheduler: SchedulerConfig,

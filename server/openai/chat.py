@@ -68,12 +68,16 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Prep
     for i, m in enumerate(body.messages):
         ctx.model.prompt_fits(m.text, f"messages.{i}.content")
     messages, images = template_messages(body)
-    if images:
-        await image_prompt(ctx, body, messages, images)  # refuses for now: the engine takes no images yet
-    text = await run_in_threadpool(render_chat, ctx, body, messages)
-    ctx.model.prompt_fits(text, "messages")
-    # The template writes any BOS itself: by default encode adds nothing more.
-    ids = await run_in_threadpool(ctx.model.tokenizer.encode, text, body.add_special_tokens)
+    prompt = await image_prompt(ctx, body, messages, images) if images else None
+    if prompt is None:
+        text = await run_in_threadpool(render_chat, ctx, body, messages)
+        ctx.model.prompt_fits(text, "messages")
+        # The template writes any BOS itself: by default encode adds nothing more.
+        ids = await run_in_threadpool(ctx.model.tokenizer.encode, text, body.add_special_tokens)
+    else:  # rendered, expanded and tokenized with its images
+        text, ids = prompt.text, prompt.token_ids
+        if body.truncate_prompt_tokens is not None:  # cutting the front would cut through the images' tokens
+            raise APIError(400, "truncate_prompt_tokens cannot be used with images", param="truncate_prompt_tokens")
     prompt_ids = [ctx.model.truncate(ids, body.truncate_prompt_tokens)]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     replies = Replies(body, ctx.options.tool_call_parser, ctx.reasoning, text)
@@ -81,6 +85,8 @@ async def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> Prep
     # grammar waits for the end of the thinking.
     checked = await run_in_threadpool(engine_requests, ctx, body, prompt_ids, body.max_tokens, logprobs, None,
                                       END if replies.thinking else None)
+    if prompt is not None:
+        checked[0] = ctx.engine.attach_images(checked[0], prompt.images)
     return PreparedChat(text, prompt_ids[0], checked[0], replies)
 
 

@@ -67,6 +67,18 @@ class EngineClient:
         except LoRAError as e:  # the adapter's files, read now, cannot be served
             raise APIError(400, str(e), param="model", code="invalid_lora_adapter") from None
 
+    def require_images(self, images: Sequence) -> None:
+        """Whether the engine runs the model's images at all (`engine/images.py`): raises InvalidParameter
+        naming the first image's field where it does not (before anything is fetched)."""
+        self._async_engine.engine.images.require(images)
+
+    def attach_images(self, checked: CheckedRequest, images: Sequence) -> CheckedRequest:
+        """A checked prompt with its images (`engine/images.py`); a 400 naming the image it cannot serve."""
+        try:
+            return self._async_engine.engine.images.attach(checked, images)
+        except InvalidParameter as e:
+            raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from None
+
     def check_pooling(self, prompt_ids: Sequence[int], params: PoolingParams,
                       prompt_param: str = "input") -> CheckedPooling:
         """`prompt_param`: the request's name for its prompt, which the engine calls `prompt`."""

@@ -1,0 +1,145 @@
+"""A vision model's images in the engine: what is built at start, and the check of a request's images.
+
+1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs (Gemma 3:
+   SigLIP and its projector, `model/siglip.py`) as its own fixed-shape program (`execution/vision.py`),
+   makes the encoder cache (`scheduling/encoder_cache.py`), sizes the step's encoder budget (the rows of
+   `IMAGES_PER_STEP` images, within the token budget) and hands out the two sides of it: the runner's
+   `EncoderRowsBuilder` (it encodes what a step needs and places the rows, `execution/image_rows.py`) and the
+   scheduler's `ImageScheduling` (references, budget, whole images: `scheduling/images.py`).
+2. For any other model it gives `NoImages`, which refuses images by name: a text-only model, or a family
+   whose images are not run yet (Qwen2.5-VL's language model, with M-RoPE, is not served yet).
+3. `attach(checked, images)` checks a request's images against the budget (an image must fit one step: its
+   tokens attend to each other, so they are computed together) and attaches them as the scheduler's
+   `ImageSpan`s, pixels included. Nothing is encoded before a step needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from jaxserve.config_families import GEMMA3_VISION_TYPES
+from jaxserve.errors import ImagesNotServed, InvalidParameter
+from jaxserve.execution.image_rows import EncoderRowsBuilder
+from jaxserve.execution.vision import VisionEncoderProgram
+from jaxserve.json_files import read_json_object
+from jaxserve.scheduling.encoder_cache import EncoderCache
+from jaxserve.scheduling.images import ImageScheduling, ImageSpan
+from jaxserve.scheduling.validation import CheckedRequest
+
+logger = logging.getLogger(__name__)
+
+IMAGES_PER_STEP = 4  # the encoder budget of one step, in images (of rows: images x tokens per image)
+ENCODER_CACHE_BYTES = 256 << 20  # rows kept for images no request needs any more (repeated images skip the encoder)
+
+
+def vision_model_type(model_dir: str | None) -> str | None:
+    """The checkpoint's model_type when it is a vision-language one (its config has a vision_config)."""
+    if not model_dir:
+        return None
+    cfg = read_json_object(Path(model_dir) / "config.json")
+    return cfg.get("model_type") if cfg.get("vision_config") is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class NoImages:
+    """An engine that runs no vision encoder: every image is refused, naming its field."""
+    model_name: str
+    model_type: str | None  # a vision-language checkpoint's model_type whose images are not run; None: text only
+    takes_images = False
+    rows = None
+    scheduling = None
+
+    def attach(self, checked: CheckedRequest, images: Sequence) -> CheckedRequest:
+        self.require(images)
+        return checked
+
+    def require(self, images: Sequence) -> None:
+        """Refuse `images` (anything with a `field`), naming the first one's field."""
+        if images:
+            raise ImagesNotServed(images[0].field, images_refusal(self.model_name, self.model_type, images[0].field))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineImages:
+    rows: EncoderRowsBuilder  # the runner's side
+    scheduling: ImageScheduling  # the scheduler's side
+    takes_images = True
+
+    @property
+    def cache(self) -> EncoderCache:
+        return self.scheduling.cache
+
+    def require(self, images: Sequence) -> None:
+        """Every image may come (its size is checked once it is tokenized, by `attach`)."""
+
+    def attach(self, checked: CheckedRequest, images: Sequence) -> CheckedRequest:
+        """`checked` with its prompt's images (each with offset, length, content_hash, pixel_values and field,
+        as `multimodal.prompt.PromptImage`); InvalidParameter naming the field of one that cannot be served."""
+        spans = []
+        for image in images:
+            if image.length > self.scheduling.rows_per_step:
+                raise InvalidParameter(image.field, f"{image.field}: the image takes {image.length} tokens, more than "
+                                                    f"the {self.scheduling.rows_per_step} encoder rows one step "
+                                                    f"places (raise max_num_batched_tokens)")
+            if image.offset < 0 or image.offset + image.length > len(checked.prompt_ids):
+                raise InvalidParameter(image.field, f"{image.field}: the image's tokens lie outside the prompt")
+            spans.append(ImageSpan(image.offset, image.length, image.content_hash, image.pixel_values))
+        return dataclasses.replace(checked, images=tuple(spans)) if spans else checked
+
+
+def _runs_images(args, built) -> bool:
+    return vision_model_type(args.model_dir) in GEMMA3_VISION_TYPES and built.runner == "generate"
+
+
+def _vision_config(args):
+    from jaxserve.vision_config import vision_config
+    return vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
+
+
+def _rows(built, config, cache=None, encoder=None) -> EncoderRowsBuilder:
+    """The runner's side; Gemma 3's image tokens attend to each other (`spans`)."""
+    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * config.mm_tokens_per_image)
+    return EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype, built.model.plan.replicated,
+                              cache, encoder, spans=True)
+
+
+def images_for(args, built) -> EngineImages | NoImages:
+    """The image side of the engine for `built` (a `BuiltModel`) under `args`."""
+    model_type = vision_model_type(args.model_dir)
+    if not _runs_images(args, built):
+        return NoImages(built.name, model_type)
+    if args.num_processes and args.num_processes > 1:
+        logger.warning("images are not served on a multi-host mesh: the vision encoder is not loaded")
+        return NoImages(built.name, model_type)
+    from jaxserve.loader.encoders import load_vision_encoder
+
+    config = _vision_config(args)
+    encoder = VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
+                                   (config.num_channels, config.image_size, config.image_size), built.dtype,
+                                   device=built.model.plan.mesh.devices.flat[0])
+    cache = EncoderCache(ENCODER_CACHE_BYTES)
+    rows = _rows(built, config, cache, encoder)
+    logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
+                "%s images per call", config.mm_tokens_per_image, rows.rows_per_step,
+                "/".join(map(str, encoder.buckets)))
+    # A chunk holds an image whole, since its tokens attend to each other.
+    return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
+
+
+def abstract_rows(args, built) -> EncoderRowsBuilder | None:
+    """The steps' image input as shapes only (`jaxserve plan`: no encoder, no cache); None: no images."""
+    if not _runs_images(args, built):
+        return None
+    return _rows(built, _vision_config(args))
+
+
+def images_refusal(model_name: str, model_type: str | None, field: str) -> str:
+    """Why this engine takes no images for `model_name`."""
+    if model_type is not None:
+        return (f"{field}: model `{model_name}` ({model_type}) takes images in its checkpoint, but jaxserve does not "
+                f"serve them for this family yet: images run on Gemma 3 checkpoints (Qwen2.5-VL's language model "
+                f"with its multimodal rotary positions is not served yet); send text only")
+    return f"{field}: model `{model_name}` takes no images: it is a text-only model"
