@@ -80,3 +80,22 @@ def test_fp8_pages_do_not_compile_for_an_a100_and_the_engine_refuses_them_at_sta
     model = write_config(tmp_path / "tiny", tiny_config("llama"))
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8.*compute capability 8.0.*--kv-cache-dtype int8"):
         plan_target(EngineArgs(model=str(model), kv_cache_dtype="fp8"), parse_target("a100"), programs="none")
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("splits,rows,hidden,scaled", [(8, 16, 4096, False), (8, 64, 8192, True), (1, 1, 2048, False)])
+def test_the_decode_epilogue_kernel_compiles_for_the_gpu(target, splits, rows, hidden, scaled):
+    """The split products' epilogue (pallas_kernels/residual_norm.py; GPU only): Llama-3-8B's decode step
+    (8 shares, 16 rows), a 70B's hidden size at 64 rows with an int8 layer's scales, one unsplit row."""
+    from pallas_kernels.residual_norm import residual_rms_norm_gpu
+    chip = parse_target(target)
+    shape = jax.ShapeDtypeStruct
+    args = [shape((splits, rows, hidden), jnp.float32), shape((rows, hidden), jnp.bfloat16),
+            shape((hidden,), jnp.bfloat16)]
+    epilogue = functools.partial(residual_rms_norm_gpu, eps=1e-5)
+    if scaled:
+        args.append(shape((hidden,), jnp.float32))
+        epilogue = lambda p, r, w, s: residual_rms_norm_gpu(p, r, w, eps=1e-5, column_scale=s)
+    with jax.default_device(compile_devices(chip)[0]):
+        text = jax.jit(epilogue).lower(*args).compile(compile_options(chip)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1

@@ -297,6 +297,18 @@ def test_a_plain_draw_reads_the_logits_as_the_lm_head_wrote_them(compiled):
     assert target != "h200" or [k["name"] for k in after if k["kind"] == "gemm" and k["bytes_out"] == logits]
 
 
+def test_a_gpu_decode_step_ends_its_split_products_with_one_kernel(compiled):
+    """o_proj and down_proj split along K, each followed by one Pallas epilogue that adds the residual and
+    applies the next RMSNorm (jaxserve/model/split_k.py): 2 layers, so 3 epilogues (the last layer's down
+    product has no norm of its own after it: XLA adds it); a TPU's layers keep XLA's products (issue 52)."""
+    target, r, _, _ = compiled
+    epilogues = [k for k in r["kernel_list"] if k["kind"] == "custom call" and k["layer"] not in ("pre", "post")]
+    hidden, rows = 256, 16  # the tiny model's, the 16-token decode bucket's
+    assert sum(k["runs"] for k in epilogues) == (3 if target == "h200" else 0)
+    for k in epilogues:  # out: the new residual and its norm, bf16
+        assert k["bytes_out"] == 2 * rows * hidden * 2
+
+
 def test_bytes_are_at_least_the_minimum(compiled):
     _, r, _, _ = compiled
     m = r["minimum"]
