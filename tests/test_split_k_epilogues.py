@@ -1,7 +1,7 @@
-"""A GPU decode step's split row-parallel products and their one-kernel epilogues (issue 52): the Pallas kernel
-against its `jnp` reference (interpret mode), the split's shape rules, and a tiny model's layers run fused
-against the plain ones (float and int8 weight-only). The kernel compiled for H100 / H200: test_compiled_kernels.py;
-the step's kernels a layer: test_program_profile.py."""
+"""A GPU decode step's split products and their one-kernel epilogues (issue 52): the Pallas kernels (residual +
+RMSNorm; q/k/v rope and KV write) against their `jnp` references (interpret mode), the split's shape rules, and
+a tiny model's layers run fused against the plain ones (float and int8 weight-only). The kernels compiled for
+H100 / H200: test_compiled_kernels.py; the step's kernels a layer: test_program_profile.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import pytest
 from flax import nnx
 
 from jaxserve.config import LinearQuantization, ModelConfig
+from jaxserve.model import split_k
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.linear_kernels import KernelPlan
 from jaxserve.model.llama import LlamaForCausalLM
 from jaxserve.model.quantized_linear import quantize_linears
 from jaxserve.model.split_k import DecodeEpilogues, split_partials, splits, takes
+from pallas_kernels.qkv_epilogue import qkv_epilogue_gpu, qkv_epilogue_reference
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.residual_norm import fits, residual_rms_norm_gpu, residual_rms_norm_reference
 
@@ -63,6 +65,41 @@ def test_shapes_the_kernel_refuses():
         residual_rms_norm_gpu(partials, residual, weight, eps=1e-5, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         residual_rms_norm_gpu(partials[:2], residual[:, :32], weight, eps=1e-5, interpret=True)
+
+
+def _qkv_case(seed, splits_, tokens, heads, kv_heads, head_dim, pages=5, page_size=8):
+    rng = np.random.default_rng(seed)
+    partials = jnp.asarray(rng.standard_normal((splits_, tokens, (heads + 2 * kv_heads) * head_dim)), jnp.float32)
+    angles = rng.random((tokens, head_dim // 2)) * 6
+    slots = rng.permutation(np.arange(page_size, pages * page_size))[:tokens]  # distinct, past the null page
+    k_pages = jnp.asarray(rng.standard_normal((kv_heads, pages, page_size, head_dim)), jnp.bfloat16)
+    return (partials, jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32),
+            jnp.asarray(slots, jnp.int32), k_pages, -k_pages)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("splits_,tokens,heads,kv_heads,head_dim", [(4, 3, 4, 2, 16), (1, 1, 2, 2, 32), (2, 5, 8, 1, 16)])
+def test_the_qkv_epilogue_is_its_reference(scaled, splits_, tokens, heads, kv_heads, head_dim):
+    case = _qkv_case(tokens, splits_, tokens, heads, kv_heads, head_dim)
+    rng = np.random.default_rng(0)
+    scales = tuple(jnp.asarray(rng.random(n * head_dim) + 0.5, jnp.float32) for n in (heads, kv_heads, kv_heads))
+    scales = scales if scaled else None
+    got = qkv_epilogue_gpu(*case, num_heads=heads, dtype=jnp.bfloat16, column_scales=scales, interpret=True)
+    want = qkv_epilogue_reference(*case, num_heads=heads, dtype=jnp.bfloat16, column_scales=scales)
+    assert got[0].shape == (tokens, heads, head_dim) and got[0].dtype == jnp.bfloat16
+    for g, w in zip(got, want):  # q, then the pages: the written rows and every other row as it was
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)
+    written = np.asarray(got[1], np.float32).reshape(kv_heads, -1, head_dim)[:, np.asarray(case[3])]
+    assert not np.allclose(written, np.asarray(case[4], np.float32).reshape(kv_heads, -1, head_dim)[:, np.asarray(case[3])])
+
+
+def test_the_qkv_epilogue_refuses_what_it_cannot_hold():
+    partials, cos, sin, slots, k_pages, v_pages = _qkv_case(0, 2, 3, 4, 2, 16)
+    with pytest.raises(ValueError, match="do not hold"):
+        qkv_epilogue_gpu(partials, cos, sin, slots, k_pages, v_pages, num_heads=3, dtype=jnp.bfloat16, interpret=True)
+    partials, cos, sin, slots, k_pages, v_pages = _qkv_case(0, 2, 3, 6, 2, 16)
+    with pytest.raises(ValueError, match="power-of-2 head counts"):  # (compiled; interpret mode takes any)
+        qkv_epilogue_gpu(partials, cos, sin, slots, k_pages, v_pages, num_heads=6, dtype=jnp.bfloat16)
 
 
 def test_splits_fill_the_multiprocessors_and_keep_deep_shares():
@@ -135,7 +172,7 @@ def _step(model, fused: bool, rows: int = 4):
 def test_fused_layers_are_the_plain_layers(dtype_name, quantized):
     model = _model(dtype_name, quantized)
     layers = list(model.layers)
-    assert all(layer.takes_split() for layer in layers)
+    assert all(layer.takes_split() and split_k.takes_qkv(layer.self_attn) for layer in layers)
     (x_plain, cache_plain), (x_fused, cache_fused) = _step(model, False), _step(model, True)
     # float32: the split sums in another order; bf16: a rounding of the residual may fall the other way, and
     # the next layers carry it (bf16's step is 1/128 of a value's magnitude).

@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.lora.delta import LayerLoRA, LoRAInputs, delta, project
-from jaxserve.model.kv_cache import KVCache, write_kv
+from jaxserve.model.kv_cache import KVCache, QuantizedPages, write_kv
 from jaxserve.model import layer_loop, parallel, split_k
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -131,7 +131,11 @@ class DecoderLayer(nnx.Module):
         """The layer on one device without LoRA, its row-parallel products split and each followed by one
         epilogue (split_k.py): x, the residual stream, and `normed`, this layer's input norm of it, in; the
         new residual and `next_norm` of it (None: the stage's last layer) out, with the pages."""
-        out, k_pages, v_pages = self.self_attn.heads(normed, cos, sin, k_pages, v_pages, write_index, attend)
+        if split_k.takes_qkv(self.self_attn) and not isinstance(k_pages, QuantizedPages):
+            out, k_pages, v_pages = split_k.split_attention_heads(plan, self.self_attn, normed, cos, sin, k_pages,
+                                                                  v_pages, write_index, attend)
+        else:
+            out, k_pages, v_pages = self.self_attn.heads(normed, cos, sin, k_pages, v_pages, write_index, attend)
         x, normed = split_k.residual_norm(plan, *split_k.split_partials(self.self_attn.o_proj, out), x,
                                           self.post_attention_layernorm)
         h = self.mlp.hidden(normed)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.model.quantized_linear import QuantizedLinear
+from pallas_kernels.qkv_epilogue import fits as qkv_epilogue_fits, qkv_epilogue_gpu
 from pallas_kernels._paged_common import next_pow2
 from pallas_kernels.residual_norm import fits, residual_rms_norm_gpu, residual_rms_norm_reference
 
@@ -72,14 +73,43 @@ def _operand(linear: nnx.Module, dtype) -> tuple[jax.Array, jax.Array | None]:
     return linear.codes[...].astype(dtype), linear.scales[...][0]
 
 
+def _split(x: jax.Array, w: jax.Array) -> jax.Array:
+    (t, k), n = x.shape, w.shape[1]
+    s = splits(k, n)
+    return jnp.einsum("tsk,skn->stn", x.reshape(t, s, k // s), w.reshape(s, k // s, n),
+                      preferred_element_type=jnp.float32)
+
+
 def split_partials(linear: nnx.Module, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """x [T, K] @ W as float32 partial products [S, T, N] (summed over S: the product) and the layer's
     per-column scales (None for a float layer). `linear` must be one `takes` accepts."""
     w, scale = _operand(linear, x.dtype)
-    (t, k), n = x.shape, w.shape[1]
-    s = splits(k, n)
-    shares = x.reshape(t, s, k // s)
-    return jnp.einsum("tsk,skn->stn", shares, w.reshape(s, k // s, n), preferred_element_type=jnp.float32), scale
+    return _split(x, w), scale
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def takes_qkv(attention: nnx.Module) -> bool:
+    """Whether `split_attention_heads` runs this attention module (a Llama-family one without q/k norms, the
+    KV write kernel taking its head shape)."""
+    c = attention.config
+    return (not c.qk_norm and all(takes(getattr(attention, name)) for name in QKV)
+            and qkv_epilogue_fits(c.num_heads, c.num_kv_heads, c.head_dim))
+
+
+def split_attention_heads(plan: DecodeEpilogues, attention: nnx.Module, x, cos, sin, k_pages, v_pages, write_index,
+                          attend) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`Attention.heads` of float pages with the q/k/v product split, its weights concatenated (XLA fuses the
+    concatenation into the GEMM's operand: no copy), and one epilogue kernel (pallas_kernels/qkv_epilogue.py)
+    that sums, ropes and writes q, K and V."""
+    c = attention.config
+    weights, scales = zip(*(_operand(getattr(attention, name), x.dtype) for name in QKV))
+    partials = _split(x, jnp.concatenate(weights, axis=1))
+    q, k_pages, v_pages = qkv_epilogue_gpu(partials, cos, sin, write_index, k_pages, v_pages, num_heads=c.num_heads,
+                                           dtype=x.dtype, column_scales=None if scales[0] is None else scales,
+                                           interpret=plan.interpret)
+    return attend(q, k_pages, v_pages).reshape(x.shape[0], -1), k_pages, v_pages
 
 
 def residual_norm(plan: DecodeEpilogues, partials: jax.Array, scale: jax.Array | None, residual: jax.Array,
