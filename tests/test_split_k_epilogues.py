@@ -5,6 +5,7 @@ H100 / H200: test_compiled_kernels.py; the step's kernels a layer: test_program_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -208,3 +209,20 @@ def test_what_the_split_takes():
         assert not takes(down)
     finally:
         down.kernel = None
+
+
+def test_only_a_gpu_engine_s_unrolled_llama_takes_the_epilogues():
+    from jaxserve.engine.decode_epilogues import choose_decode_epilogues
+    from jaxserve.loader.placement import ShardedModel
+
+    def sharded(config=CONFIG, repeats=1):
+        graphdef, params = nnx.split(LlamaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+        return ShardedModel(plan=None, config=config, graphdef=graphdef, params=params, dtype=jnp.bfloat16,
+                            layer_repeats=repeats)
+
+    epilogues = lambda model: nnx.merge(model.graphdef, model.params).decode_epilogues
+    plain = sharded()
+    assert choose_decode_epilogues(plain, "cpu") is plain and choose_decode_epilogues(plain, "tpu") is plain
+    assert epilogues(choose_decode_epilogues(plain, "gpu")) == DecodeEpilogues()
+    assert epilogues(choose_decode_epilogues(sharded(repeats=3), "gpu")) is None  # scanned layers: the plain ones
+    assert epilogues(choose_decode_epilogues(sharded(dataclasses.replace(CONFIG, o_proj_bias=True)), "gpu")) is None

@@ -128,9 +128,10 @@ class DecoderLayer(nnx.Module):
 
     def fused_call(self, x, normed, cos, sin, k_pages, v_pages, write_index, attend, plan: DecodeEpilogues,
                    next_norm: RMSNorm | None):
-        """The layer on one device without LoRA, its row-parallel products split and each followed by one
-        epilogue (split_k.py): x, the residual stream, and `normed`, this layer's input norm of it, in; the
-        new residual and `next_norm` of it (None: the stage's last layer) out, with the pages."""
+        """The layer on one device without LoRA, its products split and each followed by one epilogue kernel
+        (split_k.py; q/k/v where they and the pages qualify): x, the residual stream, and `normed`, this layer's
+        input norm of it, in; the new residual and `next_norm` of it (None: the stage's last layer) out, with
+        the pages."""
         if split_k.takes_qkv(self.self_attn) and not isinstance(k_pages, QuantizedPages):
             out, k_pages, v_pages = split_k.split_attention_heads(plan, self.self_attn, normed, cos, sin, k_pages,
                                                                   v_pages, write_index, attend)

@@ -1,19 +1,22 @@
 """Decode-shaped products split along their contraction, each followed by one epilogue kernel (GPU, issue 52).
 
-XLA:GPU splits a decode step's o_proj and down_proj products along K itself (their few rows x 4096 columns
-are too few output tiles for 132 multiprocessors), then sums the float32 partials with the residual add in
-one kernel, and the RMSNorm that follows is one more: 3 kernels where 2 do. Here, in GPU step programs of
-few rows only (`DecodeEpilogues`, set on the model at start: jaxserve/engine/builder.py):
-1. `split_partials`: the product as a batched one over S shares of K, `[S, T, K/S] x [S, K/S, N] -> [S, T, N]`
-   float32 (`splits`: enough column tiles x shares to fill the multiprocessors). XLA compiles it as one
-   GEMM kernel that does not split again; an int8 weight-only layer with per-channel scales multiplies
-   its codes, and its scales go to the epilogue.
-2. `residual_norm`: sum of the partials + residual add + the next RMSNorm as one Pallas kernel
-   (pallas_kernels/residual_norm.py), returning the new residual and the normed activations; without a
-   norm to apply (the stage's last layer) its `jnp` reference, which XLA fuses into one kernel.
-So o_proj -> residual -> post-attention norm and down_proj -> residual -> next layer's input norm take 2
-kernels each (jaxserve/model/llama.py's `DecoderLayer.fused_call`). Prefill-sized steps, CPUs and TPUs
-keep the plain layer: their programs are unchanged (the attribute stays None there).
+XLA:GPU splits a decode step's products along K itself (a few rows x 4096 columns are too few output tiles
+for 132 multiprocessors) and sums the float32 partials in the kernels after them: after q/k/v, the K write,
+the V write and q's rope (3 kernels); after o_proj and down_proj, the residual add, then the RMSNorm (2
+each). Here, in GPU step programs of few rows only (`DecodeEpilogues`, set on the model at start:
+jaxserve/engine/decode_epilogues.py):
+1. The product as a batched one over S shares of K, `[S, T, K/S] x [S, K/S, N] -> [S, T, N]` float32
+   (`splits`: enough column tiles x shares to fill the multiprocessors), which XLA compiles as one GEMM
+   kernel that does not split again; an int8 weight-only layer with per-channel scales multiplies its
+   codes, and its scales go to the epilogue. q, k and v are one product over their weights concatenated.
+2. One Pallas kernel after it: `split_attention_heads` sums, ropes and writes q, K and V
+   (pallas_kernels/qkv_epilogue.py, the pages in place); `residual_norm` sums, adds the residual and applies
+   the next RMSNorm (pallas_kernels/residual_norm.py), returning the new residual and the normed
+   activations (without a norm to apply, the stage's last layer, its `jnp` reference: one XLA kernel).
+So a Llama layer is 10 kernels (9 where attention does not split the keys): q/k/v + epilogue, attention +
+merge, o_proj + epilogue, gate/up, SiLU x up, down_proj + epilogue (jaxserve/model/llama.py's
+`DecoderLayer.fused_call`). Prefill-sized steps, CPUs and TPUs keep the plain layer: their programs are
+unchanged (the attribute stays None there).
 """
 
 from __future__ import annotations
