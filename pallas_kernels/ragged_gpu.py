@@ -5,7 +5,8 @@
    jnp: the item's sequence and its first flat row. The list has a static length, ceil(T / block_q) plus
    one per sequence, enough for any batch of T tokens; entries past the real items have sequence -1 and
    cover the padding rows (from cu_q_lens[-1] on), block_q rows each, which they zero.
-2. q is viewed as `[T_pad, KVH, G_pad, D]` (the GQA group padded to a power of 2, T to one spare tile). The
+2. q is viewed as `[T, KVH, G_pad, D]` (the GQA group padded to a power of 2; a tile's rows past T are
+   masked in its load, so a power-of-2 group's q is read where it lies, with no padded copy). The
    grid is `(item, kv_head)`: a program loads its item's block_q tokens x G_pad heads as one
    `[block_q * G_pad, D]` matrix, so each K/V tile it reads serves a whole group of several tokens.
 3. The program walks its sequence's page-table row one key block (`pages_per_compute_block` pages) at a
@@ -110,10 +111,10 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
                    kv_lens_ref,  # [num_seqs] int32
                    cu_q_lens_ref,  # [num_seqs + 1] int32
                    page_tables_ref,  # [num_seqs * max_pages_padded] int32, flattened rows
-                   q_ref,  # [T_pad, group_pad, head_dim] this KV head's queries, every row
+                   q_ref,  # [T, group_pad, head_dim] this KV head's queries, every row
                    k_ref,  # [num_pages, page_size, head_dim] this KV head's pages
                    v_ref,  # [num_pages, page_size, head_dim]
-                   *refs,  # with spans: span_ref [T_pad * group_pad] int32, each row's span end, per query head;
+                   *refs,  # with spans: span_ref [(T + block_q) * group_pad] int32, each row's span end, per query head;
                    #         quantized pages: k_scales_ref, v_scales_ref [>= num_pages, page_size] float32; then
                    #         o_ref [T, group_pad, head_dim] (only this item's rows are written), or with
                    #         splits this split's acc_ref (the same, float32), m_ref and l_ref [T, group_pad]
@@ -166,7 +167,9 @@ def _ragged_kernel(item_seq_ref,  # [num_items] int32: the item's sequence, -1 p
             start_blk = start_blk + split * per_split
             end_blk = jnp.minimum(start_blk + per_split, end_blk)
 
-        q = q_ref[pl.ds(first_row, block_q)].reshape(rows, head_dim)
+        in_rows = lax.broadcast_in_dim(first_row + jnp.arange(block_q, dtype=jnp.int32) < q_ref.shape[0],
+                                       (block_q, group, head_dim), (0,))
+        q = plgpu.load(q_ref.at[pl.ds(first_row, block_q)], mask=in_rows, other=0.0).reshape(rows, head_dim)
         token = row_tokens()
         q_pos = lax.broadcast_in_dim(token + offset, (rows, block_k), (0,))
         last_keys = lax.broadcast_in_dim(last_key, (rows, block_k), (0,)) if spans else q_pos
@@ -214,7 +217,7 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, span_rows, *, t
                  sliding_window, block_q, pages_per_block, num_warps, num_stages, num_splits, min_blocks_per_split,
                  interpret):
     item_seq, item_row = items
-    t_pad, num_kv_heads, group, head_dim = q4.shape
+    q_rows, num_kv_heads, group, head_dim = q4.shape
     k_pages, v_pages, k_scales, v_scales = kv
     _, num_pages, page_size, _ = k_pages.shape
     kv = [k_pages, v_pages]
@@ -231,7 +234,7 @@ def _ragged_call(items, kv_lens, cu_q_lens, tables_flat, q4, kv, span_rows, *, t
     whole = lambda x: pl.BlockSpec(x.shape, lambda i, h, *_: (0,) * x.ndim)
     kv_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda i, h, *_: (h, 0, 0, 0))
     scale_spec = pl.BlockSpec((None, kv[-1].shape[1], page_size), lambda i, h, *_: (h, 0, 0))
-    q_spec = pl.BlockSpec((t_pad, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
+    q_spec = pl.BlockSpec((q_rows, None, group, head_dim), lambda i, h, *_: (0, h, 0, 0))
     spans = [] if span_rows is None else [span_rows]
     out_rows = (tokens, num_kv_heads, group, head_dim)  # q's rows without the spare tile
     if num_splits == 1:
@@ -365,9 +368,11 @@ def ragged_paged_attention_gpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be at least 1, got {num_kv_splits}")
 
-    # One spare tile of rows, so a tile starting at any real row stays inside the array.
+    # Rows past the last are masked in the kernel's load, so q is read as it lies (no copy of it; issue 52),
+    # but a group that is not a power of 2, padded to one (Triton tensors).
     q4 = q.reshape(tokens, num_kv_heads, group, head_dim)
-    q4 = jnp.pad(q4, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    if group_pad != group:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
     cu_q_lens, kv_lens = cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32)
     num_items = max(1, -(-tokens // block_q) + min(num_seqs, tokens))
     tables = pad_page_table(page_tables, ppb)

@@ -85,3 +85,41 @@ def test_fp8_pages_do_not_compile_for_an_a100_and_the_engine_refuses_them_at_sta
     model = write_config(tmp_path / "tiny", tiny_config("llama"))
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8.*compute capability 8.0.*--kv-cache-dtype int8"):
         plan_target(EngineArgs(model=str(model), kv_cache_dtype="fp8"), parse_target("a100"), programs="none")
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("splits,rows,hidden,scaled", [(8, 16, 4096, False), (8, 64, 8192, True), (1, 1, 2048, False)])
+def test_the_decode_epilogue_kernel_compiles_for_the_gpu(target, splits, rows, hidden, scaled):
+    """The split products' epilogue (pallas_kernels/residual_norm.py; GPU only): Llama-3-8B's decode step
+    (8 shares, 16 rows), a 70B's hidden size at 64 rows with an int8 layer's scales, one unsplit row."""
+    from pallas_kernels.residual_norm import residual_rms_norm_gpu
+    chip = parse_target(target)
+    shape = jax.ShapeDtypeStruct
+    args = [shape((splits, rows, hidden), jnp.float32), shape((rows, hidden), jnp.bfloat16),
+            shape((hidden,), jnp.bfloat16)]
+    epilogue = functools.partial(residual_rms_norm_gpu, eps=1e-5)
+    if scaled:
+        args.append(shape((hidden,), jnp.float32))
+        epilogue = lambda p, r, w, s: residual_rms_norm_gpu(p, r, w, eps=1e-5, column_scale=s)
+    with jax.default_device(compile_devices(chip)[0]):
+        text = jax.jit(epilogue).lower(*args).compile(compile_options(chip)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("tokens,heads,kv_heads,scaled", [(16, 32, 8, False), (64, 64, 8, True), (1, 16, 16, False)])
+def test_the_decode_qkv_epilogue_compiles_for_the_gpu(target, tokens, heads, kv_heads, scaled):
+    """The split q/k/v product's epilogue (pallas_kernels/qkv_epilogue.py; GPU only), writing the pages in
+    place: Llama-3-8B's decode step, a 70B's heads at 64 rows with an int8 layer's scales, one row of MHA."""
+    from pallas_kernels.qkv_epilogue import qkv_epilogue_gpu
+    chip, shape, head_dim = parse_target(target), jax.ShapeDtypeStruct, 128
+    pages = shape((kv_heads, NUM_PAGES, 16, head_dim), jnp.bfloat16)
+    args = [shape((8, tokens, (heads + 2 * kv_heads) * head_dim), jnp.float32),
+            *[shape((tokens, head_dim // 2), jnp.float32)] * 2, shape((tokens,), jnp.int32), pages, pages]
+    scales = [shape((n * head_dim,), jnp.float32) for n in (heads, kv_heads, kv_heads)] if scaled else []
+    epilogue = lambda *a: qkv_epilogue_gpu(*a[:6], num_heads=heads, dtype=jnp.bfloat16,
+                                           column_scales=a[6:] if scaled else None)
+    with jax.default_device(compile_devices(chip)[0]):
+        text = jax.jit(epilogue, donate_argnums=(4, 5)).lower(*args, *scales).compile(compile_options(chip)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "output_to_operand_aliasing" in text
+    assert " copy(" not in text and "copy-start" not in text  # the pages written where they lie

@@ -275,10 +275,13 @@ def test_the_kv_cache_is_never_counted_whole(compiled):
     for k in attention:  # (a pool the program holds in VMEM, as the tiny TPU one does, is read from there)
         assert k["bytes_in"] < pool and (target != "h200" or k["bytes_in"] >= read)
     writes = [k for k in r["kernel_list"] if k["kind"] == "kv write"]
-    assert sum(k["runs"] for k in writes) >= 2  # K and V a layer (a TPU may write both in one kernel)
+    # K and V a layer (a TPU may write both in one kernel; a GPU decode step does, with q: issue 52)
+    assert sum(k["runs"] for k in writes) == (2 if target == "h200" else 4)
     row = TINY["kv_heads"] * TINY["head_dim"] * 2
+    q = 16 * 2 * row  # the GPU's q/k/v epilogue also stores q: the bucket's 16 rows x 8 heads (2 a KV head)
     for k in writes:  # the bucket's rows (every row of the 16-token GPU bucket, padding included; 4 on a TPU)
-        assert k["bytes_out"] % row == 0 and k["bytes_out"] <= 2 * 16 * row < pool
+        assert k["bytes_out"] % row == 0 and k["bytes_out"] <= 2 * 16 * row + q < pool
+        assert target != "h200" or k["bytes_out"] == 2 * 16 * row + q
     # What reads or writes a whole pool is a copy (the tiny TPU program moves its 2 MB pool through VMEM), and
     # it is flagged; never the attention kernel or a write.
     assert all(k["kind"] == "copy" for k in r["kernel_list"] if k["flags"])
@@ -295,6 +298,18 @@ def test_a_plain_draw_reads_the_logits_as_the_lm_head_wrote_them(compiled):
     assert not [k["name"] for k in after if k["kind"] == "copy" and k["bytes_in"] in (logits, 2 * logits)]
     assert not [k["name"] for k in after if k["bytes_in"] == logits and k["bytes_out"] == 2 * logits]
     assert target != "h200" or [k["name"] for k in after if k["kind"] == "gemm" and k["bytes_out"] == logits]
+
+
+def test_a_gpu_decode_step_ends_its_split_products_with_one_kernel(compiled):
+    """o_proj and down_proj split along K, each followed by one Pallas epilogue that adds the residual and
+    applies the next RMSNorm (jaxserve/model/split_k.py): 2 layers, so 3 epilogues (the last layer's down
+    product has no norm of its own after it: XLA adds it); a TPU's layers keep XLA's products (issue 52)."""
+    target, r, _, _ = compiled
+    epilogues = [k for k in r["kernel_list"] if k["kind"] == "custom call" and k["layer"] not in ("pre", "post")]
+    hidden, rows = 256, 16  # the tiny model's, the 16-token decode bucket's
+    assert sum(k["runs"] for k in epilogues) == (3 if target == "h200" else 0)
+    for k in epilogues:  # out: the new residual and its norm, bf16
+        assert k["bytes_out"] == 2 * rows * hidden * 2
 
 
 def test_bytes_are_at_least_the_minimum(compiled):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxserve.builtin_models import describe as describe_model
 from jaxserve.builtin_models import is_default, served_name
 from jaxserve.config import CacheConfig, ModelConfig, SamplerConfig, SchedulerConfig, default_token_buckets
+from jaxserve.engine.decode_epilogues import choose_decode_epilogues
 from jaxserve.engine.images import NoImages, images_for
 from jaxserve.engine.kernel_choice import choose_linear_kernels
 from jaxserve.engine.precision import dtype_warnings
@@ -275,6 +276,7 @@ def _finish_build(args: EngineArgs, name: str, model: ShardedModel, tokenizer: T
     check_page_dtype(args.kv_cache_dtype, model.plan.mesh.devices.flat[0])
     # Before the KV pool takes the free memory: timing the products needs a few hundred MB for a moment.
     model = choose_linear_kernels(model, args.quantized_matmul, platform, scheduler_config.token_buckets)
+    model = choose_decode_epilogues(model, platform)
     if matmuls == "eigen":
         attention = for_eigen_dots(attention)
     logger.info("platform %s, %s weights, attention kernels: %s%s", platform,

@@ -6,8 +6,10 @@
    (here or in a fusion nested in this one) gives the slices' bytes; an operand given twice is read once;
    arrays in another memory space (a TPU's VMEM or SMEM) are not HBM traffic.
 2. A KV pool (an entry parameter `state.kv_cache...`, [heads, pages, page size, ...]) handed to a custom call is
-   an attention kernel's: it reads `Assumptions.sequences x context` tokens of it, not the pool. Anything
-   else that reads or writes a whole KV-pool-sized buffer, a copy above all, counts whole and is flagged.
+   an attention kernel's: it reads `Assumptions.sequences x context` tokens of it, not the pool; unless the
+   call returns the pool in place (`output_to_operand_aliasing`: a kernel writing the step's K / V rows,
+   pallas_kernels/kv_write_gpu.py), which writes one row a write slot and reads none. Anything else that
+   reads or writes a whole KV-pool-sized buffer, a copy above all, counts whole and is flagged.
 3. FLOPs of matrix products from each dot's (or convolution's) shapes, inside the fusions it runs too, and
    of attention from the assumption (2 a head, a dimension and a context token, against each pool); the
    kernel's time at the chip's roofline is max(bytes / bandwidth, FLOPs / peak).
@@ -127,6 +129,12 @@ class KernelMeter:
             outputs = outputs[:1] if op == "copy-start" else outputs[1:2] if len(outputs) > 2 else outputs
         if op in _SLICING or op.removesuffix("-start") in _SLICING:  # (an asynchronous slice: XLA:TPU's DMAs)
             reads[i.operands[0]] = min(reads[i.operands[0]], sum(map(_all_bytes, outputs)))
+        if op == "custom-call":  # a kernel handed KV pools that it returns in place writes rows of them
+            for n, number in _aliased_outputs(i).items():
+                pool = shapes.get(i.operands[number], "") if number < len(i.operands) else ""
+                if self._pool_tokens(pool):
+                    written[n] = _write_slots(shapes) * shape_bytes(pool) // self._pool_tokens(pool)
+                    reads[i.operands[number]] = 0
         bytes_out = sum(written.get(n, shape_bytes(s)) for n, s in enumerate(outputs))
 
         pools = [o for o, s in shapes.items() if self._pool_tokens(s)]
@@ -172,6 +180,20 @@ class KernelMeter:
     def _attention_flops(self, computation: Computation, i: Instruction) -> float:
         pools = sum(1 for o in dict.fromkeys(i.operands) if self._pool_tokens(_operand_shape(computation, o)))
         return 2.0 * pools * self.a.sequences * self.a.context * self.a.query_heads * self.a.head_dim
+
+
+def _aliased_outputs(i: Instruction) -> dict[int, int]:
+    """A custom call's outputs that alias an operand (`output_to_operand_aliasing`): output -> operand number."""
+    found = re.search(r"output_to_operand_aliasing=\{(.*?)\}(?:,\s*[a-z_]+=|$)", i.rest)
+    pairs = re.findall(r"\{(\d*)\}:\s*\((\d+),", found.group(1)) if found else []
+    return {int(out or 0): int(operand) for out, operand in pairs}
+
+
+def _write_slots(shapes: dict[str, str]) -> int:
+    """Rows a kernel writing KV pages in place writes: its write slots' count, the one int32 vector it is
+    handed (the step's tokens)."""
+    slots = [a.dims[0] for s in shapes.values() for a in arrays(s) if a.dtype == "s32" and len(a.dims) == 1]
+    return max(slots, default=0)
 
 
 def _operand_shape(computation: Computation, operand: str) -> str:

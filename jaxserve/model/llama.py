@@ -26,10 +26,11 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.lora.delta import LayerLoRA, LoRAInputs, delta, project
-from jaxserve.model.kv_cache import KVCache, write_kv
-from jaxserve.model import layer_loop, parallel
+from jaxserve.model.kv_cache import KVCache, QuantizedPages, write_kv
+from jaxserve.model import layer_loop, parallel, split_k
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from jaxserve.model.split_k import DecodeEpilogues
 
 # q [N, H, D], k_pages, v_pages [KVH, P, S, D] -> [N, H, D]
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -75,6 +76,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, k_pages, v_pages, write_index, attend: AttendFn, tp_axis: Axis = None,
                  lora: LayerLoRA | None = None):
+        out, k_pages, v_pages = self.heads(x, cos, sin, k_pages, v_pages, write_index, attend, lora)
+        return parallel.row_parallel(self.o_proj, out, tp_axis, delta(lora, "o_proj", out)), k_pages, v_pages
+
+    def heads(self, x, cos, sin, k_pages, v_pages, write_index, attend: AttendFn, lora: LayerLoRA | None = None):
+        """Everything before o_proj: the attention output [N, local heads x head_dim] and the written pages."""
         c = self.config
         n = x.shape[0]
         # -1: under tensor parallelism this device holds only its share of the heads.
@@ -85,8 +91,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, write_index)
         out = attend(q, k_pages, v_pages)
-        out = out.reshape(n, -1)
-        return parallel.row_parallel(self.o_proj, out, tp_axis, delta(lora, "o_proj", out)), k_pages, v_pages
+        return out.reshape(n, -1), k_pages, v_pages
 
 
 class MLP(nnx.Module):
@@ -97,9 +102,13 @@ class MLP(nnx.Module):
         self.down_proj = _linear(dtype, c.intermediate_size, c.hidden_size, c.mlp_bias, rngs)
 
     def __call__(self, x, tp_axis: Axis = None, lora: LayerLoRA | None = None):
-        gate, up = project_group(self, x, lora, ("gate_proj", "up_proj"))
-        h = jax.nn.silu(gate) * up
+        h = self.hidden(x, lora)
         return parallel.row_parallel(self.down_proj, h, tp_axis, delta(lora, "down_proj", h))
+
+    def hidden(self, x, lora: LayerLoRA | None = None):
+        """SiLU(gate) x up: down_proj's input."""
+        gate, up = project_group(self, x, lora, ("gate_proj", "up_proj"))
+        return jax.nn.silu(gate) * up
 
 
 class DecoderLayer(nnx.Module):
@@ -117,12 +126,36 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x), tp_axis, lora)
         return x, k_pages, v_pages
 
+    def fused_call(self, x, normed, cos, sin, k_pages, v_pages, write_index, attend, plan: DecodeEpilogues,
+                   next_norm: RMSNorm | None):
+        """The layer on one device without LoRA, its products split and each followed by one epilogue kernel
+        (split_k.py; q/k/v where they and the pages qualify): x, the residual stream, and `normed`, this layer's
+        input norm of it, in; the new residual and `next_norm` of it (None: the stage's last layer) out, with
+        the pages."""
+        if split_k.takes_qkv(self.self_attn) and not isinstance(k_pages, QuantizedPages):
+            out, k_pages, v_pages = split_k.split_attention_heads(plan, self.self_attn, normed, cos, sin, k_pages,
+                                                                  v_pages, write_index, attend)
+        else:
+            out, k_pages, v_pages = self.self_attn.heads(normed, cos, sin, k_pages, v_pages, write_index, attend)
+        x, normed = split_k.residual_norm(plan, *split_k.split_partials(self.self_attn.o_proj, out), x,
+                                          self.post_attention_layernorm)
+        h = self.mlp.hidden(normed)
+        x, normed = split_k.residual_norm(plan, *split_k.split_partials(self.mlp.down_proj, h), x, next_norm)
+        return x, normed, k_pages, v_pages
+
+    def takes_split(self) -> bool:
+        """Whether `fused_call` can run this layer (its o_proj and down_proj products split)."""
+        return split_k.takes(self.self_attn.o_proj) and split_k.takes(self.mlp.down_proj)
+
 
 class LlamaForCausalLM(nnx.Module):
     # > 1: `layers` is one period of layers whose parameters are stacked [layer_repeats, ...], run under
     # lax.scan (jaxserve/model/layer_loop.py; set on the stage model by jaxserve/loader/placement.py's
     # `scan_layers`).
     layer_repeats = 1
+    # A GPU engine's decode steps split o_proj and down_proj and fuse their epilogues (split_k.py; set at
+    # start by jaxserve/engine/builder.py for a model whose layers all `takes_split`); None everywhere else.
+    decode_epilogues: DecodeEpilogues | None = None
 
     def __init__(self, config: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         c = config
@@ -160,7 +193,30 @@ class LlamaForCausalLM(nnx.Module):
             return layer(x, cos, sin, k_pages, v_pages, slots, layer_attend, tp_axis,
                          None if lora is None else lora.layer(i))
 
+        if self._fuses_epilogues(x.shape[0], tp_axis, lora):
+            return self._run_fused_layers(x, cos, sin, kv_cache, write_index, attend)
         return layer_loop.run_layers(self.layers, self.layer_repeats, x, kv_cache, write_index, attend, run_layer)
+
+    def _fuses_epilogues(self, rows: int, tp_axis: Axis, lora) -> bool:
+        plan = self.decode_epilogues
+        return (plan is not None and plan.applies(rows) and lora is None and self.layer_repeats == 1
+                and (tp_axis is None or jax.lax.axis_size(tp_axis) == 1))
+
+    def _run_fused_layers(self, x, cos, sin, kv_cache: KVCache, write_index, attend: AttendFn):
+        """`run_layers` by `DecoderLayer.fused_call`: the residual stream and its next norm are carried
+        together, each layer's down_proj epilogue norming for the next layer (the last one for no layer:
+        the final norm stays the step's own)."""
+        layers = list(self.layers)
+
+        def run_layer(i, layer, carry, k_pages, v_pages, slots, layer_attend):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            x, normed, k_pages, v_pages = layer.fused_call(*carry, cos, sin, k_pages, v_pages, slots, layer_attend,
+                                                           self.decode_epilogues, next_norm)
+            return (x, normed), k_pages, v_pages
+
+        carry = (x, layers[0].input_layernorm(x))
+        (x, _), kv_cache = layer_loop.run_layers(self.layers, 1, carry, kv_cache, write_index, attend, run_layer)
+        return x, kv_cache
 
     def logits(self, hidden: jax.Array, tp_axis: Axis = None, float32: bool = True) -> jax.Array:
         """hidden [N, hidden_size] -> logits [N, vocab_size]: float32, or with `float32=False` in the LM head's
