@@ -80,13 +80,16 @@ class Engine:
         lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras) if args.enable_lora else None
         slots = None if lora_config is None else LoRASlots(built.model_config, lora_config.max_loras,
                                                            lora_config.max_lora_rank, built.dtype, self.plan)
+        # A speculative engine's steps that verify no drafts run a plain program of their own (`compiler.py`),
+        # but for a draft model's engine, whose draft programs follow every program of the target's.
+        spec = args.speculative_config
         self.runner = runner_for_this_process(built.model, built.model_config, built.cache_config,
                                               built.scheduler_config, built.attention, built.dtype,
                                               built.sampler_config, self.compile_events, lora=slots,
                                               head=head_for(built.runner, built.sampler_config.max_logprobs),
                                               compiler_options=built.compiler_options,
-                                              max_drafts=args.speculative_config.num_speculative_tokens
-                                              if args.speculative_config else 0)
+                                              max_drafts=spec.num_speculative_tokens if spec else 0,
+                                              plain_programs=bool(spec) and spec.method == "ngram")
         self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,
                                                                  self.runner.write_lora, args.lora_modules)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
