@@ -114,6 +114,29 @@ def test_a_mixed_workload_gives_the_same_tokens_compiles_nothing_and_leaks_nothi
     assert len(per_pos) == engine.speculator.num_speculative_tokens and per_pos == sorted(per_pos, reverse=True)
 
 
+def test_steps_that_verify_no_drafts_run_the_plain_program_of_their_bucket(speculative, plain, monkeypatch):
+    """An n-gram engine compiles two programs a bucket: one that verifies drafts and, for the steps that
+    verify none, exactly the program of an engine without speculation (no draft rows, no branch on them);
+    each step runs the one it needs, and nothing compiles after warm-up."""
+    runner = speculative.engine.runner
+    assert runner.compiler.plain_layouts == plain.engine.runner.layouts
+    assert runner.warmup_report.programs == 2 * len(runner.layouts)
+    ran = []
+    launch = runner.launch
+
+    def recording(step, *args, **kwargs):
+        launched = launch(step, *args, **kwargs)
+        ran.append((step.verifies_drafts, launched.layout.max_drafts))
+        return launched
+
+    monkeypatch.setattr(runner, "launch", recording)
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=48, ignore_eos=True)
+              for i in range(len(PROMPTS))]  # greedy and seeded
+    assert ids(speculative.generate(PROMPTS, params)) == ids(plain.generate(PROMPTS, params))
+    assert {(True, SPEC["num_speculative_tokens"]), (False, 0)} == set(ran)
+    assert speculative.engine.compilations_since_warmup == 0
+
+
 def test_preemption_with_drafts_in_flight_gives_the_same_tokens(stories_dir, plain):
     """Too few KV pages for every running sequence: the newest are preempted (drafts and all) and
     recomputed later, and every output is still what the engine without speculation gives."""

@@ -54,7 +54,7 @@ from jaxserve.scheduling.scheduler import Scheduler
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.update import RequestTracker
 from jaxserve.scheduling.validation import CheckedRequest, validate_priority, validate_request
-from jaxserve.speculative.build import build_speculator
+from jaxserve.speculative.build import build_speculator, target_programs
 from sharding import multihost
 
 logger = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ class Engine:
                                               built.sampler_config, self.compile_events, lora=slots,
                                               head=head_for(built.runner, built.sampler_config.max_logprobs),
                                               compiler_options=built.compiler_options,
-                                              max_drafts=args.speculative_config.num_speculative_tokens
-                                              if args.speculative_config else 0, image_rows=built.images.rows)
+                                              **target_programs(args.speculative_config),
+                                              image_rows=built.images.rows)
         self.lora = None if slots is None else LoRAManager.start(lora_config, built.model_config, slots,
                                                                  self.runner.write_lora, args.lora_modules)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)

@@ -1,6 +1,9 @@
 """Step programs: one per token bucket, compiled ahead of time, so nothing compiles on a request's path.
 
 1. Every step is padded to a token bucket fixed at start (`layouts`); each bucket has its own program.
+   Where the programs verify draft tokens (speculative decoding), a bucket also has a plain program
+   (`plain_layouts`) for the steps that verify none: the same step without the draft rows' branch, so an
+   engine that does not draft runs what an engine without speculation runs.
 2. `warmup` compiles them all (lowered and compiled, never run). With `background=True` it returns once
    the one program that can run any step is ready (the smallest bucket that holds a decode of every slot)
    and compiles the rest on a thread: until a bucket is ready, steps go to the next bigger ready one and
@@ -41,19 +44,22 @@ class WarmupReport:
 
 class StepCompiler:
     def __init__(self, step, layouts: dict[int, BatchLayout], program_inputs: Callable[[BatchLayout], tuple],
-                 key_parts: tuple, devices, min_bucket: int, events: CompileEvents):
+                 key_parts: tuple, devices, min_bucket: int, events: CompileEvents,
+                 plain_layouts: dict[int, BatchLayout] | None = None):
         """`step`: the jitted step; `program_inputs(layout)`: its arguments as shapes and shardings;
         `key_parts`: what else the program is made of (the step's compile options too); `min_bucket`: the
-        tokens the first program must hold."""
+        tokens the first program must hold; `plain_layouts`: per bucket, the layout of steps that verify no
+        drafts, where `layouts` verify them (None: `layouts` are plain already)."""
         self.step = step
         self.layouts = layouts
+        self.plain_layouts = plain_layouts or {}
         self.program_inputs = program_inputs
         self.key_parts = key_parts
         self.devices = devices
         self.min_bucket = min_bucket
         self.events = events
         self.programs = ProgramCache(None)  # set by warmup(): beside JAX's persistent cache, when it has one
-        self._compiled: dict[int, jax.stages.Compiled] = {}  # token bucket -> its step, compiled by warmup()
+        self._compiled: dict[BatchLayout, jax.stages.Compiled] = {}  # each layout's step, compiled by warmup()
         # Buckets whose program is ready, ascending; replaced whole (never mutated) by the warm-up thread.
         # Before warm-up every bucket counts as ready (its program compiles when first used).
         self.ready_buckets: tuple[int, ...] = tuple(layouts)
@@ -64,9 +70,17 @@ class StepCompiler:
 
     # ---- what a step runs -----------------------------------------------------------------------------
 
-    def layout_for(self, num_tokens: int) -> BatchLayout:
-        """The smallest bucket with a ready program that holds `num_tokens`."""
-        return self.layouts[next(b for b in self.ready_buckets if b >= num_tokens)]
+    def layout_for(self, num_tokens: int, verifies: bool = True) -> BatchLayout:
+        """The layout of the smallest bucket with a ready program that holds `num_tokens`: its plain one when
+        the step verifies no drafts (`verifies` False) and the bucket has one compiled."""
+        bucket = next(b for b in self.ready_buckets if b >= num_tokens)
+        plain = None if verifies else self.plain_layouts.get(bucket)
+        return plain if plain is not None and plain in self._compiled else self.layouts[bucket]
+
+    def bucket_layouts(self, bucket: int) -> list[BatchLayout]:
+        """Every program layout of `bucket`: the one that can run any step first, then its plain one."""
+        plain = self.plain_layouts.get(bucket)
+        return [self.layouts[bucket]] + ([plain] if plain is not None else [])
 
     @property
     def step_token_limit(self) -> int:
@@ -76,7 +90,7 @@ class StepCompiler:
     def program(self, layout: BatchLayout, with_logits: bool):
         """The callable that runs a step of `layout`: its compiled program, or the jitted step (which
         compiles on first use: steps with every row's logits, and anything before warm-up)."""
-        compiled = None if with_logits else self._compiled.get(layout.tokens)
+        compiled = None if with_logits else self._compiled.get(layout)
         if compiled is not None:
             return compiled
         return lambda *args: self.step(*args, layout, with_logits)
@@ -104,13 +118,14 @@ class StepCompiler:
         self.programs = ProgramCache.beside_jax_cache()
         order = self.compile_order()
         self.ready_buckets = ()
-        bar = tqdm(total=len(order), desc="Compiling", unit="program")
+        bar = tqdm(total=sum(len(self.bucket_layouts(b)) for b in order), desc="Compiling", unit="program")
         self._compile([order[0]] if background else order, bar, build)
 
         def finish() -> None:
             bar.close()
             executables = self.events.program_cache_hits - loaded
-            self.warmup_report = WarmupReport(len(self.ready_buckets), self.events.cache_hits - hits + executables,
+            programs = sum(len(self.bucket_layouts(b)) for b in self.ready_buckets)
+            self.warmup_report = WarmupReport(programs, self.events.cache_hits - hits + executables,
                                               time.perf_counter() - start, executables)
             logger.info("compiled %d step programs (token buckets %s) in %.1fs, %d from the persistent "
                         "compilation cache (%d of them as executables, not traced)", self.warmup_report.programs,
@@ -155,9 +170,10 @@ class StepCompiler:
     def _compile(self, buckets: list[int], bar, build: Callable[[BatchLayout], None]) -> None:
         for bucket in buckets:
             with self.events.counting(warmup=True):
-                build(self.layouts[bucket])
+                for layout in self.bucket_layouts(bucket):
+                    build(layout)
+                    bar.update()
             self.ready_buckets = tuple(sorted(self.ready_buckets + (bucket,)))
-            bar.update()
 
     def build(self, layout: BatchLayout) -> None:
         """The step program of `layout`: from the program cache when this code has compiled it before, else
@@ -166,7 +182,7 @@ class StepCompiler:
         compiled = self.programs.load(key, self.devices)
         if compiled is not None:
             self.events.loaded_from_program_cache()
-            self._compiled[layout.tokens] = compiled
+            self._compiled[layout] = compiled
             return
         hits = self.events.cache_hits
         compiled = self.lower(layout).compile()
@@ -175,7 +191,7 @@ class StepCompiler:
         # here goes in; one that came from JAX's cache is stored when a run compiles it afresh.
         if self.events.cache_hits == hits:
             self.programs.store(key, compiled)
-        self._compiled[layout.tokens] = compiled
+        self._compiled[layout] = compiled
 
     def program_key(self, layout: BatchLayout) -> str:
         return ProgramCache.key(abstract(self.program_inputs(layout)), layout, *self.key_parts)

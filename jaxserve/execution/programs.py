@@ -57,6 +57,7 @@ class StepPrograms:
     step: object  # the jitted step (`jit_step`)
     head: OutputHead
     layouts: dict[int, BatchLayout]  # token bucket -> its program's shapes
+    plain_layouts: dict[int, BatchLayout]  # where `layouts` verify drafts: the bucket's steps that verify none
     params: tuple  # the parameters' leaves, abstract
     state: StepState  # abstract
     lora: object  # the LoRA slot stacks, abstract, or None
@@ -71,11 +72,13 @@ class StepPrograms:
     def build(cls, model: ShardedModel, model_config: ModelConfig, cache_config: CacheConfig,
               scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
               sampler_config: SamplerConfig = SamplerConfig(), head: OutputHead | None = None, lora_stack=None,
-              max_drafts: int = 0, compiler_options: dict | None = None, image_rows=None) -> "StepPrograms":
+              max_drafts: int = 0, compiler_options: dict | None = None, plain_programs: bool = False,
+              image_rows=None) -> "StepPrograms":
         """`model`'s parameters may be arrays or shapes (`loader.abstract.AbstractModel.shapes`); `head`: what
         the steps produce (default: the draw head, `heads/`); `lora_stack`: the
         LoRA slots' stacks (`jaxserve/lora/slots.py`), or None without LoRA; `max_drafts`: draft tokens a
         sequence may verify per step (0: no speculation); `compiler_options`: XLA options of every program;
+        `plain_programs`: with `max_drafts`, also a program per bucket for the steps that verify no drafts;
         `image_rows`: a vision model's `EncoderRowsBuilder` (the steps place encoder rows at image tokens, and
         with its `spans` an image's tokens attend to each other)."""
         head = head or DrawHead(sampler_config.max_logprobs)
@@ -84,6 +87,8 @@ class StepPrograms:
         max_pages = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), max_pages, sampler_config.max_logit_bias,
                                   max_seqs, max_drafts, head) for b in scheduler_config.token_buckets}
+        plain = ({b: dataclasses.replace(layout, max_drafts=0) for b, layout in layouts.items()}
+                 if max_drafts and plain_programs else {})
         kv = abstract_kv_cache(model_config, cache_config, plan, dtype, layers_folded=model.layer_repeats > 1)
         rep = plan.replicated
         state = StepState(kv, jax.ShapeDtypeStruct((max_seqs,), jnp.int32, sharding=rep),
@@ -92,7 +97,7 @@ class StepPrograms:
         step = jit_step(model, plan, attention, model_config, state, max_seqs, masks=head.takes_masks, lora=lora,
                         compiler_options=compiler_options, images=image_rows is not None,
                         image_spans=image_rows is not None and image_rows.spans)
-        return cls(step, head, layouts, tuple(abstract(jax.tree.leaves(model.params))), state, lora,
+        return cls(step, head, layouts, plain, tuple(abstract(jax.tree.leaves(model.params))), state, lora,
                    (model_config.vocab_size + 31) // 32, image_rows)
 
     def inputs(self, layout: BatchLayout) -> tuple:

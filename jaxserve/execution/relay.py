@@ -24,7 +24,7 @@ from jaxserve.execution.runner import LaunchedStep, ModelRunner
 from jaxserve.scheduling.step import StepPlan
 from sharding.multihost import END, STEP, StepChannel
 
-_WITH_LOGITS, _HAS_MASKS = 1, 2  # bits of the step header's flag
+_WITH_LOGITS, _HAS_MASKS, _PLAIN = 1, 2, 4  # bits of the step header's flag (_PLAIN: the bucket's plain program)
 
 
 def runner_for_this_process(*args, **kwargs) -> ModelRunner:
@@ -43,7 +43,8 @@ class LeaderRunner(ModelRunner):
                  masks: np.ndarray | None, with_logits: bool, images=None) -> LaunchedStep:
         if images is not None:  # the engine loads no vision encoder on a multi-host mesh
             raise NotImplementedError("image inputs are not relayed to follower processes")
-        flags = int(with_logits) | (_HAS_MASKS if masks is not None else 0)
+        flags = (int(with_logits) | (_HAS_MASKS if masks is not None else 0)
+                 | (_PLAIN if layout is self.compiler.plain_layouts.get(layout.tokens) else 0))
         self.channel.send(STEP, layout.tokens, flags, (ints, floats) if masks is None else (ints, floats, masks))
         return super().dispatch(step, layout, ints, floats, masks, with_logits)
 
@@ -96,7 +97,7 @@ class FollowerRunner(ModelRunner):
                 return steps
             if kind != STEP:
                 raise RuntimeError(f"unknown step kind {kind} from the leader")
-            layout = self.layouts[tokens]
+            layout = self.compiler.bucket_layouts(tokens)[-1 if flag & _PLAIN else 0]
             template = layout.empty()
             if flag & _HAS_MASKS:
                 ints, floats, masks = self.channel.receive_batch((*template, self._all_allowed(layout.seqs)))

@@ -94,11 +94,14 @@ class ModelRunner:
                  scheduler_config: SchedulerConfig, attention: AttentionBackend, dtype,
                  sampler_config: SamplerConfig = SamplerConfig(), events: CompileEvents | None = None,
                  head: OutputHead | None = None, lora: LoRASlots | None = None, max_drafts: int = 0,
-                 compiler_options: dict | None = None, image_rows: EncoderRowsBuilder | None = None):
+                 compiler_options: dict | None = None, plain_programs: bool = False,
+                 image_rows: EncoderRowsBuilder | None = None):
         """`head`: what the steps produce (`heads/`; default: the draw head); `lora`: the LoRA adapters'
         device slots (`enable_lora`); `max_drafts`: draft tokens a sequence may verify per step (speculative
         decoding; 0: off); `compiler_options`: XLA options of the step programs (`cpu_matmuls.py`);
-        `image_rows`: a vision model's encoder and the rows it places in each step (`image_rows.py`)."""
+        `plain_programs`: with `max_drafts`, a second program per bucket for the steps that verify no drafts
+        (`compiler.py`); `image_rows`: a vision model's encoder and the rows it places in each step
+        (`image_rows.py`)."""
         self.model_config = model_config
         self.sampler_config = sampler_config
         self.cache_config = cache_config
@@ -115,7 +118,7 @@ class ModelRunner:
         self.head = head or DrawHead(sampler_config.max_logprobs)
         self.programs = StepPrograms.build(model, model_config, cache_config, scheduler_config, attention, dtype,
                                            sampler_config, self.head, None if lora is None else lora.stack,
-                                           max_drafts, compiler_options, image_rows)
+                                           max_drafts, compiler_options, plain_programs, image_rows)
         self.image_rows = image_rows
         self.max_pages_per_seq = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
         self.builder = BatchBuilder(max_seqs, self.max_pages_per_seq, cache_config.page_size)
@@ -136,7 +139,8 @@ class ModelRunner:
         self.compiler = StepCompiler(self.programs.step, self.programs.layouts, self.programs.inputs,
                                      (self.graphdef, attention, model_config, self.plan.pp, self.plan.mesh.device_ids,
                                       max_seqs, self.head, sorted((compiler_options or {}).items())),
-                                     list(self.plan.mesh.devices.flat), max_seqs, self.events)
+                                     list(self.plan.mesh.devices.flat), max_seqs, self.events,
+                                     self.programs.plain_layouts)
 
     def _new_state(self) -> StepState:
         """The state's arrays, zeros created in place on their devices (the sampler state has a row per slot
@@ -228,7 +232,7 @@ class ModelRunner:
     def launch(self, step: StepPlan, masks: np.ndarray | None = None, with_logits: bool = False) -> LaunchedStep:
         """Dispatch one step of the plan; returns without waiting for the device. `masks`: the allowed-token
         bitmask of the plan's rows ([rows, ceil(vocab / 32)] int32), when some draw is constrained."""
-        layout = self.compiler.layout_for(step.num_tokens)
+        layout = self.compiler.layout_for(step.num_tokens, verifies=step.verifies_drafts)
         ints, floats = self.builder.build(step, layout)
         if masks is not None:  # the plan's rows, then all-allowed padding rows up to the layout's
             masks = np.concatenate([masks, self._all_allowed(layout.seqs - len(masks))])
@@ -261,7 +265,7 @@ class ModelRunner:
         sequence in it (every token writes to the null page); with `verify`, greedy sequences verifying a
         draft each, on the null page too (the programs' draft rows: `BatchBuilder.warmup`). Only while no
         request runs."""
-        layout = self.layouts[bucket]
+        layout = self.compiler.bucket_layouts(bucket)[0 if verify else -1]
         batch = self.builder.warmup(layout, every_option=False, verify=True) if verify else layout.empty()
         start = time.perf_counter()
         jax.block_until_ready(self.dispatch(None, layout, *batch, None, with_logits=False).outputs)
@@ -273,12 +277,13 @@ class ModelRunner:
         """Run `bucket`'s program on the builder's warm-up batches (greedy, then every option) and wait: the
         first runs of its loops and branches are paid here rather than by the first requests. Only while
         no request runs."""
-        layout = self.layouts[bucket]
-        for every_option in (False, True):
-            ints, floats = self.builder.warmup(layout, every_option)
-            masks = self._all_allowed(layout.seqs) if every_option else None
-            images = self.image_rows.warmup(layout.tokens) if self.image_rows is not None and every_option else None
-            jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, False, images).outputs)
+        for layout in self.compiler.bucket_layouts(bucket):
+            for every_option in (False, True):
+                ints, floats = self.builder.warmup(layout, every_option)
+                masks = self._all_allowed(layout.seqs) if every_option else None
+                images = (self.image_rows.warmup(layout.tokens) if self.image_rows is not None and every_option
+                          else None)
+                jax.block_until_ready(self.dispatch(None, layout, ints, floats, masks, False, images).outputs)
         self.forget_samples()
 
     def run(self, step: StepPlan, masks: np.ndarray | None = None) -> ManualStep:

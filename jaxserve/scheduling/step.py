@@ -98,6 +98,11 @@ class StepPlan:
         return not self.seqs
 
     @property
+    def verifies_drafts(self) -> bool:
+        """Some sequence verifies draft tokens (speculative decoding): the step needs its draft rows."""
+        return any(seq.num_draft_tokens for seq in self.seqs)
+
+    @property
     def prefill_only(self) -> bool:
         """No sequence decodes: every request in the step is still reading its prompt."""
         return all(seq.is_prefill for seq in self.seqs)

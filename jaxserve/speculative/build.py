@@ -11,6 +11,15 @@ from jaxserve.speculative.speculator import Speculator
 logger = logging.getLogger(__name__)
 
 
+def target_programs(config: SpeculativeConfig | None) -> dict:
+    """The target's step programs under `config` (`ModelRunner`'s arguments): the draft tokens a sequence may
+    verify per step, and whether the steps that verify none run a plain program of their own (prompt lookup;
+    beside a draft model, whose own programs follow each of the target's, a bucket keeps one program)."""
+    if config is None:
+        return {}
+    return {"max_drafts": config.num_speculative_tokens, "plain_programs": config.method == "ngram"}
+
+
 def build_speculator(config: SpeculativeConfig | None, built, runner, scheduler) -> Speculator | None:
     """`built`: the target's `BuiltModel`; `runner`: its model runner (a draft model shares its mesh);
     `scheduler`: told to hold pages ahead for a draft model's own K/V."""
