@@ -32,9 +32,12 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 CHUNK = 256  # tokens per step: the engines' largest token bucket
 
 
-def engine_kwargs(max_model_len: int) -> dict:
+def engine_kwargs(max_model_len: int, samples: bool = True) -> dict:
+    """The float engine samples the texts too (decode steps of up to 4 rows); the quantized ones only score,
+    in steps of up to CHUNK tokens, so they compile that one program (logits do not depend on the bucket
+    set: a step's rows are computed alike in every bucket that holds them)."""
     return dict(max_num_seqs=4, max_model_len=max_model_len, max_num_batched_tokens=CHUNK,
-                token_buckets=(4, CHUNK), enable_prefix_caching=False)
+                token_buckets=(4, CHUNK) if samples else (CHUNK,), enable_prefix_caching=False)
 
 
 def position_scores(bench, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -54,16 +57,15 @@ def position_scores(bench, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sampled_texts(llm, tokens: int, max_len: int, seed: int = 0) -> list[list[int]]:
-    """Stories the model samples from BOS until `tokens` tokens in all (each at most `max_len`)."""
+    """Stories the model samples from BOS until `tokens` tokens in all (each `max_len` long), story i with
+    seed `seed + i`. They are sampled in one batch: a seeded request's tokens do not depend on what else
+    its steps carry, so these are the stories sampled one at a time, at a fraction of the steps."""
     from jaxserve import SamplingParams
-    texts, total = [], 0
-    while total < tokens:
-        params = SamplingParams(temperature=1.0, seed=seed + len(texts), max_tokens=max_len - 1, ignore_eos=True)
-        bos = llm.get_tokenizer().encode("")[:1] or [1]
-        out = llm.generate([bos], params)[0].outputs[0]
-        texts.append(bos + list(out.token_ids))
-        total += len(texts[-1])
-    return texts
+    bos = llm.get_tokenizer().encode("")[:1] or [1]
+    count = -(-tokens // max_len)
+    params = [SamplingParams(temperature=1.0, seed=seed + i, max_tokens=max_len - 1, ignore_eos=True)
+              for i in range(count)]
+    return [bos + list(out.outputs[0].token_ids) for out in llm.generate([bos] * count, params)]
 
 
 def compare(model: str, variants: list[dict], tokens: int = 2000, text: str | None = None, story: str = STORY,
@@ -84,7 +86,7 @@ def compare(model: str, variants: list[dict], tokens: int = 2000, text: str | No
     float_ppl = float(np.exp(-position_scores(float_bench, story_ids)[1].mean()))
     results = []
     for variant in variants:
-        bench = Workbench.load(model, dtype="float32", **engine_kwargs(max_len), **variant)
+        bench = Workbench.load(model, dtype="float32", **engine_kwargs(max_len, samples=False), **variant)
         agree = sum(int((w == position_scores(bench, ids)[0]).sum()) for w, ids in zip(want, texts))
         positions = sum(len(w) for w in want)
         ppl = float(np.exp(-position_scores(bench, story_ids)[1].mean()))

@@ -181,8 +181,9 @@ def test_defect3_a_request_template_is_refused_by_default(server, baseline):
 
 @pytest.fixture(scope="module")
 def trusting_server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32),
-                      max_model_len=128)
+    # The shared server sizes (tests/server_harness.py): its programs come from the run's cache; what this
+    # server tests (its options) does not depend on them.
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)
     options = ServerOptions(trust_request_chat_template=True, chat_template_timeout=1.0)
     with running_server(args, options=options) as running:
         yield running
@@ -267,8 +268,7 @@ def test_defect5_a_body_that_is_not_declared_json_is_415(server, baseline, conte
 
 @pytest.fixture(scope="module")
 def locked_server(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32),
-                      max_model_len=128)
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)  # the shared sizes, as above
     options = ServerOptions(api_key="s3cret", allowed_origins=("https://app.example",))
     with running_server(args, options=options) as running:
         yield running

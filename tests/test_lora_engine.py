@@ -69,8 +69,10 @@ def test_preempted_requests_recompute_under_their_adapter(tmp_path):
     """Too few pages for everything at once: the newest requests are preempted and recomputed, each still
     under its own adapter."""
     base = servable_base(tmp_path / "base")
+    # Its own pool and adapter slots are its own programs: one bucket compiles one (preemption is the
+    # scheduler's; the 4-token bucket's decodes under adapters are the module engine's tests).
     small = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=8, max_num_seqs=4, page_size=8,
-                max_model_len=80, max_num_batched_tokens=136, token_buckets=(4, 136), num_pages=26,
+                max_model_len=80, max_num_batched_tokens=136, token_buckets=(136,), num_pages=26,
                 enable_prefix_caching=False)
     prompt, _ = golden_tokens("base")
     outputs = small.generate([prompt] * 4, GREEDY, lora_request=[REQUESTS[name] for name in ADAPTERS])

@@ -23,7 +23,7 @@ from jaxserve.sampling.grammar import GrammarCompiler, StructuredOutputsParams
 from jaxserve.text.tokenizer import Tokenizer
 from server.options import ServerOptions
 from server.replies.reasoning import ReasoningParser, Splitter
-from tests.server_harness import running_server
+from tests.server_harness import SHARED_ENGINE, running_server
 
 # Qwen3's template, reduced to what it does with thinking: past turns' reasoning in a think block; the
 # model opens its own; `enable_thinking: false` writes an empty block so the reply is all answer.
@@ -61,7 +61,9 @@ def model_dir(stories_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    args = EngineArgs(model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=64, token_buckets=(16, 64))
+    # The server tests' shared sizes: the tokenizer's tags reuse stories260K's ids, so the model and its
+    # programs are stories260K's, loaded from the run's cache.
+    args = EngineArgs(model=str(model_dir), **SHARED_ENGINE)
     options = ServerOptions(chat_template=QWEN3_TEMPLATE, reasoning_parser="qwen3")
     with running_server(args, options=options) as running:
         yield running

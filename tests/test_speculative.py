@@ -140,7 +140,10 @@ def test_steps_that_verify_no_drafts_run_the_plain_program_of_their_bucket(specu
 def test_preemption_with_drafts_in_flight_gives_the_same_tokens(stories_dir, plain):
     """Too few KV pages for every running sequence: the newest are preempted (drafts and all) and
     recomputed later, and every output is still what the engine without speculation gives."""
-    tight = LLM(str(stories_dir), speculative_config=SPEC, num_pages=24, max_model_len=128, **SHAPES)
+    # Its own KV pool is its own programs: one bucket (32) keeps them to two, plain and verifying (preemption
+    # is the scheduler's; both buckets' programs are the `speculative` engine's tests).
+    tight = LLM(str(stories_dir), speculative_config=SPEC, num_pages=24, max_model_len=128,
+                **dict(SHAPES, token_buckets=(32,)))
     prompts, _ = mixed_workload(plain.get_tokenizer(), 16)
     params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=60, ignore_eos=True) for i in range(16)]
     assert ids(tight.generate(prompts, params)) == ids(plain.generate(prompts, params))

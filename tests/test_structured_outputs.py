@@ -173,8 +173,10 @@ def test_n_choices_each_follow_the_grammar_and_differ(stories16):
 
 
 def test_preempted_constrained_requests_resume_in_their_grammar(stories_dir):
+    # Its own KV pool (20 pages of 16), so its own programs: one bucket compiles one. Preemption and resuming
+    # a grammar are the scheduler's and the sampler's, whatever the step's padded size.
     llm = LLM(str(stories_dir), max_num_seqs=8, max_model_len=192, num_pages=20, page_size=16,
-              max_num_batched_tokens=64, token_buckets=(8, 64))
+              max_num_batched_tokens=64, token_buckets=(64,))
     outs = llm.generate(["Once upon a time"] * 8, SamplingParams(
         temperature=1.0, max_tokens=160, structured_outputs=StructuredOutputsParams(json=PERSON)))
     assert llm.engine.scheduler.num_preemptions > 0

@@ -190,7 +190,7 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
 
 
 def test_auto_needs_a_parser(stories_dir):
-    args = EngineArgs(model=str(stories_dir), max_num_seqs=2, max_num_batched_tokens=32, token_buckets=(2, 32))
+    args = EngineArgs(model=str(stories_dir), **SHARED_ENGINE)  # the sizes of this file's other server
     with running_server(args, options=ServerOptions(chat_template=TEMPLATE)) as (base, _):
         reply = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS}, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
