@@ -69,7 +69,8 @@ def test_the_flag_reaches_the_engine_args():
 
 
 def _dots_in_ynnpack(llm, bucket: int) -> int:
-    text = llm.engine.runner.compiler._compiled[bucket].as_text()
+    compiler = llm.engine.runner.compiler
+    text = compiler._compiled[compiler.layouts[bucket]].as_text()
     return sum(1 for line in text.splitlines()
                if "__ynn_fusion" in line and re.search(r'op_name="[^"]*dot_general', line))
 

@@ -365,8 +365,8 @@ def vision_server(browser):
 
 def test_a_vision_model_takes_images_picked_pasted_or_dropped(browser, vision_server):
     """The image control shows for a vision model; a picked, a pasted and a dropped image go out with the
-    message as OpenAI image_url parts (data: URLs), are shown in the transcript, and the server's answer
-    (images are refused until the engine runs vision encoders) is shown as the answer's error."""
+    message as OpenAI image_url parts (data: URLs), are shown in the transcript, and the model's answer to them
+    streams in (the tiny checkpoint's random weights: some text, no error)."""
     session = Session(browser, vision_server[0], viewport={"width": 1280, "height": 800})
     try:
         page = session.page
@@ -387,10 +387,10 @@ def test_a_vision_model_takes_images_picked_pasted_or_dropped(browser, vision_se
                     : new DragEvent("drop", {...init, dataTransfer: transfer}));
             }""", [event, target, png])
         page.wait_for_function("document.querySelectorAll('#attachments img').length === 3")
+        session.settings(max_tokens=8)  # 97 prompt tokens with the three images, of a 128-token context
         session.send("What are these?")
-        session.wait_answered("error")
-        error = session.last_answer().locator(".error").inner_text()
-        assert "image input is not served yet" in error
+        assert session.wait_answered()  # state "done", with text
+        assert session.last_answer().locator(".error").is_hidden()
         content = session.posted("/v1/chat/completions")[-1]["messages"][-1]["content"]
         assert [part["type"] for part in content] == ["image_url"] * 3 + ["text"]
         sent = [part["image_url"]["url"] for part in content[:3]]
