@@ -156,8 +156,11 @@ def test_an_image_too_large_for_a_step_is_refused_by_its_field(llm):
 
 
 def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
-    """Run after the others (module order): images, text and both mixed compiled nothing; the encoder cache
-    holds rows only for images no request needs, and lets go of them with the prefix cache."""
+    """After the others (module order; under xdist this worker may have run none of them, so the test runs
+    images, text and both mixed itself): nothing compiled; the encoder cache holds rows only for images no
+    request needs, and lets go of them with the prefix cache."""
+    text = [{"role": "user", "content": "Tell me a story about a cat."}]
+    llm.chat([CASES["two_images"], text, CASES["second_turn"]], greedy(prompt=False))
     engine = llm.engine
     assert engine.compilations_since_warmup == 0
     assert not engine.has_unfinished()

@@ -123,8 +123,8 @@ def images_for(args, built) -> EngineImages | NoImages:
     cache = EncoderCache(ENCODER_CACHE_BYTES)
     rows = _rows(built, config, cache, encoder)
     logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
-                "%s images per call", config.mm_tokens_per_image, rows.rows_per_step,
-                "/".join(map(str, encoder.buckets)))
+                "%s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated)",
+                config.mm_tokens_per_image, rows.rows_per_step, "/".join(map(str, encoder.buckets)), encoder.device)
     # A chunk holds an image whole, since its tokens attend to each other.
     return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
 

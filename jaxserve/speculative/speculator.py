@@ -39,12 +39,10 @@ logger = logging.getLogger(__name__)
 LOG_INTERVAL_SECONDS = 10.0
 # While drafting is off (adaptive), the decision is made again every this many steps, and the proposer's
 # guesses of who would draft are made only for those steps: an engine that does not draft should cost
-# what one without speculation costs, and on a small model the host's work per step is the step. Each
-# decision that finds drafting off for the same reason as the one before doubles the interval, up to
-# MAX_RECHECK_STEPS (a workload that never drafts pays for a decision every few dozen steps); any other
-# decision starts again from RECHECK_STEPS.
+# what one without speculation costs, and on a small model the host's work per step is the step. (Backing
+# the interval off while decisions keep finding drafting off was tried: new requests then waited up to 64
+# steps for their first guess, and a workload that retells its prompts stopped drafting.)
 RECHECK_STEPS = 8
-MAX_RECHECK_STEPS = 64
 DRAFT_ALL = Decision(True, "drafting")  # without adaptive drafting: every draft found is verified
 
 
@@ -72,7 +70,6 @@ class Speculator:
         self._decides_early = getattr(proposer, "decides_early", False)
         self._planned = OFF["no_drafts"]  # this step's decision (or, deciding early, the next step's)
         self._recheck_at = 0  # the proposal count from which the decision is made again while off
-        self._recheck_every = RECHECK_STEPS  # the steps from one decision to the next while off
         self._width = 0  # the width class of the batch when it was made
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
@@ -92,16 +89,13 @@ class Speculator:
                 and exact_per_position(r)]
 
     def _plan(self, running: Sequence[Request], hopeful: set[int] | None) -> Decision:
-        """The decision for the next step: made again every step while it drafts, every RECHECK_STEPS to
-        MAX_RECHECK_STEPS steps while it does not (or when the width class changes)."""
+        """The decision for the next step: made again every step while it drafts, every RECHECK_STEPS
+        steps while it does not (or when the width class changes)."""
         width = width_class(len(running)) if running else 0
         if self._guessing or width != self._width:
-            decision = self._decide(running, hopeful)
-            again = decision is self._planned and not decision.drafting
-            self._recheck_every = min(2 * self._recheck_every, MAX_RECHECK_STEPS) if again else RECHECK_STEPS
-            self._planned = decision
+            self._planned = self._decide(running, hopeful)
             self._width = width
-            self._recheck_at = self.proposals + self._recheck_every
+            self._recheck_at = self.proposals + RECHECK_STEPS
         return self._planned
 
     @property
