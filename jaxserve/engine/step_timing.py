@@ -98,6 +98,6 @@ class StepTiming:
         seconds = self.clock.device_seconds(launched.launched_at, launched.done_at, launched.waited)
         if seconds is not None:
             # A step verifying drafts runs its program's draft rows: its time is not a plain step's.
-            verifies = self.speculator is not None and any(seq.num_draft_tokens for seq in launched.step.seqs)
+            verifies = self.speculator is not None and launched.step.verifies_drafts
             cost = self.speculator.verify_cost if verifies else self.scheduler.step_cost
             cost.observe(launched.bucket, kv_tokens_read(launched.step), seconds)

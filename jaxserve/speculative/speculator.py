@@ -197,7 +197,7 @@ class Speculator:
             self._plan(running, None)
         self.proposer.observe(launched, self._planned.drafting)
         plan = launched.step
-        self._launched = (plan.num_tokens, any(seq.num_draft_tokens for seq in plan.seqs),
+        self._launched = (plan.num_tokens, plan.verifies_drafts,
                           self._decides_early and self._planned.drafting)
 
     def prepare(self, running: Sequence[Request]) -> None:
