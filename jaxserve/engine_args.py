@@ -92,6 +92,11 @@ class EngineArgs:
     limit_mm_per_prompt: dict | str | None = None
     media_fetch_timeout: float = 10.0  # seconds for one image URL: resolving, connecting, redirects, body
     max_media_bytes: int = 20 << 20  # bytes of one encoded image (fetched, read or base64-decoded)
+    # The vision encoder (jaxserve/engine/images.py): image tokens one step places as encoder rows (the name of
+    # vLLM's SchedulerConfig budget; None: four images' tokens, within max_num_batched_tokens), and GiB of encoder
+    # output kept for images no running request needs (a repeated image skips the encoder; 0: none kept).
+    max_num_encoder_input_tokens: int | None = None
+    mm_encoder_cache_gb: float = 0.25
 
     def __post_init__(self):
         self.model = resolve_model(self.model)
@@ -132,6 +137,11 @@ class EngineArgs:
         if not self.media_fetch_timeout > 0 or self.max_media_bytes < 1:
             raise ValueError(f"media_fetch_timeout and max_media_bytes must be positive, got "
                              f"{self.media_fetch_timeout} and {self.max_media_bytes}")
+        if self.max_num_encoder_input_tokens is not None and self.max_num_encoder_input_tokens < 1:
+            raise ValueError(f"max_num_encoder_input_tokens must be a positive number of image tokens, got "
+                             f"{self.max_num_encoder_input_tokens}")
+        if not 0 <= self.mm_encoder_cache_gb < float("inf"):
+            raise ValueError(f"mm_encoder_cache_gb must be a size in GiB >= 0, got {self.mm_encoder_cache_gb}")
         self.lora_modules = tuple(parse_lora_module(m) for m in self.lora_modules)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")

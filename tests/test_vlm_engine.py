@@ -1,6 +1,6 @@
 """Gemma 3 images through the engine (`LLM`), against transformers (tests/fixtures/vlm/gemma3/golden.npz).
 
-One engine serves every test here (one step program of 32 tokens, the vision encoder's three): each fixture
+One engine serves every test here (one step program of 32 tokens, the vision encoder's two: 1 and 2 images a call): each fixture
 conversation (text only, one image, two images in one message, an image in the second turn) gives the
 fixture's greedy tokens, and log-probabilities within 1e-4 of log_softmax of transformers' logits, for
 every prompt token and every generated one (the engine's logits, seen through the draws it returns). The
@@ -17,7 +17,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxserve.engine.images import images_refusal
+from jaxserve.engine.images import encoder_batch_sizes, encoder_budget, images_refusal
+from jaxserve.engine_args import EngineArgs
 from jaxserve.errors import InvalidParameter
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.encoder_cache import EncoderCache
@@ -185,6 +186,38 @@ def test_the_pallas_kernel_takes_the_image_spans_too(monkeypatch):
         out = llm.chat(CASES[case], greedy(logprobs=False, prompt=False))[0]
         assert out.outputs[0].token_ids == GOLDEN[f"{case}.greedy"].tolist(), case
     assert llm.engine.compilations_since_warmup == 0
+
+
+def test_the_encoder_flags_change_the_steps_and_the_cache():
+    """--max-num-encoder-input-tokens 16 (one image a step): the two images of one message go in two steps and
+    the tokens are still transformers'; --mm-encoder-cache-gb 0: no rows are kept once the request is done,
+    so the same image is encoded again."""
+    from jaxserve import LLM
+    llm = LLM(str(VLM / "gemma3"), max_model_len=128, max_num_seqs=2, max_num_batched_tokens=32,
+              token_buckets=(32,), page_size=PAGE, max_num_encoder_input_tokens=16, mm_encoder_cache_gb=0,
+              enable_prefix_caching=False)
+    assert llm.engine.images.rows.encoder.buckets == (1,)
+    plans, schedule = [], llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    check_against_golden("two_images", llm.chat(CASES["two_images"], greedy(prompt=False))[0], prompt_scores=False)
+    per_step = [sum(c.count for s in plan.seqs for c in s.images) for plan in plans]
+    assert sorted(n for n in per_step if n) == [16, 16]  # one image a step
+    cache = llm.engine.images.cache
+    assert cache.num_entries == 0 and cache.encoded == 2
+    llm.chat(CASES["one_image"], greedy(logprobs=False, prompt=False))
+    llm.chat(CASES["one_image"], greedy(logprobs=False, prompt=False))
+    assert cache.encoded == 4 and cache.hits == 0 and llm.engine.compilations_since_warmup == 0
+
+
+def test_the_encoder_budget_and_its_batch_sizes():
+    default = EngineArgs()
+    assert encoder_budget(default, 2048, 256) == 1024 and encoder_budget(default, 512, 256) == 512
+    assert encoder_budget(default, 128, 256) == 128  # under one image: images are refused at request time
+    assert encoder_budget(EngineArgs(max_num_encoder_input_tokens=256), 2048, 256) == 256
+    for budget in (255, 4096):
+        with pytest.raises(ValueError, match="between 256 and max_num_batched_tokens"):
+            encoder_budget(EngineArgs(max_num_encoder_input_tokens=budget), 2048, 256)
+    assert [encoder_batch_sizes(n) for n in (0, 1, 2, 4, 6)] == [(1,), (1,), (1, 2), (1, 2, 4), (1, 2, 4, 6)]
 
 
 # ---- the pieces, without a model -------------------------------------------------------------------------

@@ -122,9 +122,11 @@ def test_media_flags_as_vllm_spells_them(tmp_path):
     ns = build_parser().parse_args(
         ["generate", "--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "images.example",
          "cdn.example", "--limit-mm-per-prompt", '{"image": 2, "video": 0}', "--media-fetch-timeout", "3",
-         "--max-media-bytes", "1000", "--prompt", "x"])
+         "--max-media-bytes", "1000", "--max-num-encoder-input-tokens", "512", "--mm-encoder-cache-gb", "0.5",
+         "--prompt", "x"])
     args = engine_args_from(ns)
     assert args.allowed_local_media_path == str(tmp_path) and args.image_limit == 2
+    assert args.max_num_encoder_input_tokens == 512 and args.mm_encoder_cache_gb == 0.5
     assert args.allowed_media_domains == ("images.example", "cdn.example")
     inputs = ImageInputs.from_args(args, "m")
     assert inputs.policy.allowed_local_path == tmp_path.resolve() and inputs.policy.max_bytes == 1000
@@ -137,7 +139,12 @@ def test_media_flags_as_vllm_spells_them(tmp_path):
             parse_mm_limits(bad)
     with pytest.raises(ValueError, match="not a directory"):
         EngineArgs(allowed_local_media_path=str(tmp_path / "missing"))
+    for bad, match in (({"max_num_encoder_input_tokens": 0}, "positive number of image tokens"),
+                       ({"mm_encoder_cache_gb": -1}, "GiB >= 0"), ({"mm_encoder_cache_gb": float("nan")}, "GiB >= 0")):
+        with pytest.raises(ValueError, match=match):
+            EngineArgs(**bad)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for flag in ("--allowed-local-media-path", "--allowed-media-domains", "--limit-mm-per-prompt",
-                 "--media-fetch-timeout", "--max-media-bytes"):
+                 "--media-fetch-timeout", "--max-media-bytes", "--max-num-encoder-input-tokens",
+                 "--mm-encoder-cache-gb"):
         assert flag in readme, f"the README's Images paragraph does not name {flag}"

@@ -2,8 +2,9 @@
 
 1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs (Gemma 3:
    SigLIP and its projector, `model/siglip.py`) as its own fixed-shape program (`execution/vision.py`),
-   makes the encoder cache (`scheduling/encoder_cache.py`), sizes the step's encoder budget (the rows of
-   `IMAGES_PER_STEP` images, within the token budget) and hands out the two sides of it: the runner's
+   makes the encoder cache (`scheduling/encoder_cache.py`, `--mm-encoder-cache-gb`), sizes the step's encoder
+   budget (`--max-num-encoder-input-tokens`; default the rows of `IMAGES_PER_STEP` images, within the token
+   budget) and the encoder program's batch sizes from it, and hands out the two sides of it: the runner's
    `EncoderRowsBuilder` (it encodes what a step needs and places the rows, `execution/image_rows.py`) and the
    scheduler's `ImageScheduling` (references, budget, whole images: `scheduling/images.py`).
 2. For any other model it gives `NoImages`, which refuses images by name: a text-only model, or a family
@@ -31,8 +32,7 @@ from jaxserve.scheduling.validation import CheckedRequest
 
 logger = logging.getLogger(__name__)
 
-IMAGES_PER_STEP = 4  # the encoder budget of one step, in images (of rows: images x tokens per image)
-ENCODER_CACHE_BYTES = 256 << 20  # rows kept for images no request needs any more (repeated images skip the encoder)
+IMAGES_PER_STEP = 4  # the default encoder budget of one step, in images (of rows: images x tokens per image)
 
 
 def vision_model_type(model_dir: str | None) -> str | None:
@@ -99,9 +99,32 @@ def _vision_config(args):
     return vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
 
 
-def _rows(built, config, cache=None, encoder=None) -> EncoderRowsBuilder:
+def encoder_budget(args, step_tokens: int, tokens_per_image: int) -> int:
+    """Encoder rows one step places: --max-num-encoder-input-tokens, checked against one image (computed whole
+    in one step) and the step's token budget; by default `IMAGES_PER_STEP` images' within that budget (a budget
+    under one image's tokens then refuses images at request time, naming the flag to raise)."""
+    budget = args.max_num_encoder_input_tokens
+    if budget is None:
+        return min(step_tokens, IMAGES_PER_STEP * tokens_per_image)
+    if not tokens_per_image <= budget <= step_tokens:
+        raise ValueError(f"max_num_encoder_input_tokens {budget}: a step computes an image's {tokens_per_image} "
+                         f"tokens whole, so it must be between {tokens_per_image} and max_num_batched_tokens "
+                         f"({step_tokens})")
+    return budget
+
+
+def encoder_batch_sizes(images_per_step: int) -> tuple[int, ...]:
+    """The encoder program's buckets: 1, 2, 4, ... images per call, up to what one step encodes at most."""
+    sizes = [1 << k for k in range(max(images_per_step, 1).bit_length()) if 1 << k < images_per_step]
+    return (*sizes, max(images_per_step, 1))
+
+
+def _budget(args, built, config) -> int:
+    return encoder_budget(args, built.scheduler_config.max_num_batched_tokens, config.mm_tokens_per_image)
+
+
+def _rows(built, rows_per_step: int, cache=None, encoder=None) -> EncoderRowsBuilder:
     """The runner's side; Gemma 3's image tokens attend to each other (`spans`)."""
-    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * config.mm_tokens_per_image)
     return EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype, built.model.plan.replicated,
                               cache, encoder, spans=True)
 
@@ -117,14 +140,17 @@ def images_for(args, built) -> EngineImages | NoImages:
     from jaxserve.loader.encoders import load_vision_encoder
 
     config = _vision_config(args)
+    budget = _budget(args, built, config)
     encoder = VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
                                    (config.num_channels, config.image_size, config.image_size), built.dtype,
-                                   device=built.model.plan.mesh.devices.flat[0])
-    cache = EncoderCache(ENCODER_CACHE_BYTES)
-    rows = _rows(built, config, cache, encoder)
+                                   device=built.model.plan.mesh.devices.flat[0],
+                                   buckets=encoder_batch_sizes(budget // config.mm_tokens_per_image))
+    cache = EncoderCache(int(args.mm_encoder_cache_gb * (1 << 30)))
+    rows = _rows(built, budget, cache, encoder)
     logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
-                "%s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated)",
-                config.mm_tokens_per_image, rows.rows_per_step, "/".join(map(str, encoder.buckets)), encoder.device)
+                "%s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated); "
+                "encoder cache: %.3g GiB of rows kept for images no request needs", config.mm_tokens_per_image,
+                rows.rows_per_step, "/".join(map(str, encoder.buckets)), encoder.device, args.mm_encoder_cache_gb)
     # A chunk holds an image whole, since its tokens attend to each other.
     return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
 
@@ -133,7 +159,7 @@ def abstract_rows(args, built) -> EncoderRowsBuilder | None:
     """The steps' image input as shapes only (`jaxserve plan`: no encoder, no cache); None: no images."""
     if not _runs_images(args, built):
         return None
-    return _rows(built, _vision_config(args))
+    return _rows(built, _budget(args, built, _vision_config(args)))
 
 
 def images_refusal(model_name: str, model_type: str | None, field: str) -> str:

@@ -121,6 +121,17 @@ def add_media_args(parser: argparse.ArgumentParser) -> None:
                         "VLLM_IMAGE_FETCH_TIMEOUT)")
     g.add_argument("--max-media-bytes", type=int, default=EngineArgs.max_media_bytes, metavar="BYTES",
                    help="size of one encoded image, fetched, read or sent as base64 (default 20 MiB)")
+    g.add_argument("--max-num-encoder-input-tokens", type=int, default=None, metavar="N",
+                   help="the vision encoder's budget of one step: image tokens whose encoder rows one step places "
+                        "(vLLM's name for it; a Gemma 3 image is 256). An image is computed whole in one step, so "
+                        "this is at least one image's tokens and at most --max-num-batched-tokens; the encoder "
+                        "program's batch sizes follow (1, 2, 4, ... images). Default: four images' tokens, "
+                        "within --max-num-batched-tokens")
+    g.add_argument("--mm-encoder-cache-gb", type=float, default=EngineArgs.mm_encoder_cache_gb, metavar="GIB",
+                   help="encoder output kept for images no running request needs, least recently used dropped "
+                        "first: a repeated image then skips the encoder (vLLM's --mm-processor-cache-gb keeps "
+                        "preprocessed inputs; this keeps the encoder's rows). 0 keeps none; images that running "
+                        "requests share are encoded once either way (default 0.25)")
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
