@@ -147,3 +147,57 @@ def test_the_load_generator_does_not_load_the_engine():
              "print(sorted(m for m in ('jax', 'flax', 'jaxlib') if m in sys.modules))\n")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_the_random_mm_dataset_draws_as_vllm_does():
+    """Images per request within the range and the limit, sizes from the buckets, the same requests for the
+    same seed; the text is `random`'s, with or without images; the chat body carries the text, then each
+    image as a data: URL (JPEG); a pool of one image repeats it."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from jaxserve.bench.datasets import parse_mm_buckets, random_mm_requests, random_requests
+    from jaxserve.bench.serve import request_body
+    draw = dict(base_items=2, items_range_ratio=0.5, limit=3, buckets="{(24, 40, 1): 1.0, (720, 1280, 16): 0.0}")
+    requests = random_mm_requests(20, 16, 4, 0.0, 7, **draw)
+    assert requests == random_mm_requests(20, 16, 4, 0.0, 7, **draw)
+    assert requests != random_mm_requests(20, 16, 4, 0.0, 8, **draw)
+    assert {r.images for r in requests} == {1, 2, 3}  # [floor(2 * 0.5), ceil(2 * 1.5)] = [1, 3], capped at 3
+    plain = random_mm_requests(20, 16, 4, 0.0, 7, base_items=0)
+    for request, text, bare in zip(requests, random_requests(20, 16, 4, 0.0, 7, form="text"), plain):
+        assert request.prompt == text.prompt == bare.prompt and request.output_len == 4 and bare.images == 0
+    body = request_body(requests[0], "m", chat=True, temperature=0.0, ignore_eos=True)
+    message, = body["messages"]
+    assert message["role"] == "user" and message["content"][0] == {"type": "text", "text": requests[0].prompt}
+    urls = [part["image_url"]["url"] for part in message["content"][1:]]
+    assert len(urls) == requests[0].images and all(u.startswith("data:image/jpeg;base64,") for u in urls)
+    image = Image.open(io.BytesIO(base64.b64decode(urls[0].partition(",")[2])))
+    assert (image.format, image.size, image.mode) == ("JPEG", (40, 24), "RGB")
+
+    def distinct(requests):
+        return {part["image_url"]["url"] for r in requests for part in r.messages[0]["content"][1:]}
+    small = dict(base_items=2, buckets={(8, 8, 1): 1})
+    assert len(distinct(random_mm_requests(6, 8, 4, num_distinct_images=1, **small))) == 1
+    assert len(distinct(random_mm_requests(6, 8, 4, **small))) == 12
+
+    assert parse_mm_buckets("{(256, 256, 1): 1, (720, 1280, 1): 3}") == {(256, 256): 0.25, (720, 1280): 0.75}
+    for bad, match in (("{(32, 32): 1}", "height, width, frames"), ("{(32, 32, 1): -1}", "probability"),
+                       ("{(32, 32, 8): 1}", "video"), ("{(32, 32, 1): 0}", "no size"), ("256x256", "not a dict")):
+        with pytest.raises(ValueError, match=match):
+            parse_mm_buckets(bad)
+    with pytest.raises(ValueError, match="over the 3 images"):
+        random_mm_requests(2, 8, 4, base_items=4, limit=3)
+
+
+def test_bench_serve_flags_reach_the_random_mm_dataset():
+    from jaxserve.bench.cli import _requests
+    from jaxserve.entrypoints.cli import build_parser
+    ns = build_parser().parse_args(
+        ["bench", "serve", "--base-url", "http://127.0.0.1:1", "--dataset-name", "random-mm",
+         "--random-input-len", "12", "--random-mm-base-items-per-request", "4", "--random-mm-limit-mm-per-prompt",
+         '{"image": 4}', "--random-mm-bucket-config", "{(16, 16, 1): 1.0}", "--random-mm-num-distinct-images", "2"])
+    requests = _requests(ns, None, 0, 3)
+    assert [r.images for r in requests] == [4, 4, 4]
+    assert len({p["image_url"]["url"] for r in requests for p in r.messages[0]["content"][1:]}) == 2

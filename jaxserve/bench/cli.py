@@ -7,6 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
+from jaxserve.engine_args import DEFAULT_IMAGES_PER_PROMPT, parse_mm_limits
 from jaxserve.entrypoints.args import add_engine_args, engine_args_from
 
 
@@ -22,7 +23,8 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (nothing else is contacted)")
     s.add_argument("--model", default=None, help="model name in requests (default: the first of /v1/models)")
     s.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    s.add_argument("--dataset-name", choices=["random", "prefix-repetition", "jsonl"], default="random")
+    s.add_argument("--dataset-name", choices=["random", "random-mm", "prefix-repetition", "jsonl"], default="random",
+                   help="random-mm: random text and images (chat, data: URLs), as vLLM's")
     s.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\"} or {\"messages\"} per line")
     s.add_argument("--tokenizer", default=None,
                    help="tokenizer directory or tokenizer.json: random prompts of exact token lengths")
@@ -31,6 +33,19 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--random-range-ratio", type=float, default=0.0)
     s.add_argument("--random-prompt-form", choices=["ids", "text"], default="ids",
                    help="with --tokenizer: send token ids or their decoded text")
+    s.add_argument("--random-mm-base-items-per-request", type=int, default=1, metavar="N",
+                   help="random-mm: images per request")
+    s.add_argument("--random-mm-num-mm-items-range-ratio", type=float, default=0.0, metavar="R",
+                   help="random-mm: images per request drawn from [floor(N * (1 - R)), ceil(N * (1 + R))]")
+    s.add_argument("--random-mm-limit-mm-per-prompt", default=None, metavar="JSON",
+                   help=f'random-mm: most images a request carries, \'{{"image": 4}}\' (default '
+                        f'{DEFAULT_IMAGES_PER_PROMPT}, the server\'s default limit)')
+    s.add_argument("--random-mm-bucket-config", default=None, metavar="DICT",
+                   help="random-mm: image sizes and their probabilities, {(height, width, 1): p, ...} (default "
+                        "vLLM's: 256x256 and 720x1280, half the images each)")
+    s.add_argument("--random-mm-num-distinct-images", type=int, default=0, metavar="N",
+                   help="random-mm: draw every image from N made up front (1: the same image in every request, "
+                        "what an encoder cache serves); default 0: every image new")
     s.add_argument("--prefix-len", type=int, default=256)
     s.add_argument("--suffix-len", type=int, default=32)
     s.add_argument("--num-prefixes", type=int, default=4)
@@ -90,6 +105,13 @@ def _requests(ns, tokenizer, seed: int, count: int):
     if ns.dataset_name == "random":
         return datasets.random_requests(count, ns.random_input_len, ns.random_output_len,
                                         ns.random_range_ratio, seed, tokenizer, ns.random_prompt_form)
+    if ns.dataset_name == "random-mm":
+        limits = parse_mm_limits(ns.random_mm_limit_mm_per_prompt)
+        return datasets.random_mm_requests(
+            count, ns.random_input_len, ns.random_output_len, ns.random_range_ratio, seed, tokenizer,
+            base_items=ns.random_mm_base_items_per_request, items_range_ratio=ns.random_mm_num_mm_items_range_ratio,
+            limit=limits.get("image", DEFAULT_IMAGES_PER_PROMPT), buckets=ns.random_mm_bucket_config,
+            num_distinct_images=ns.random_mm_num_distinct_images)
     if ns.dataset_name == "prefix-repetition":
         return datasets.prefix_repetition_requests(count, ns.prefix_len, ns.suffix_len, ns.num_prefixes,
                                                    ns.random_output_len, seed, tokenizer)
@@ -132,6 +154,7 @@ def _serve(ns) -> int:
                            "metrics": serve.summarize(results, duration, percentiles, goodput)})
     report = {"base_url": ns.base_url, "model": model, "label": ns.label or ns.base_url,
               "endpoint": "chat" if chat else "completions", "dataset": ns.dataset_name,
+              "images_per_request": sum(r.images for level in per_level for r in level) / sum(map(len, per_level)),
               "command": "jaxserve " + shlex.join(ns.argv), "levels": levels}
     print(serve.table(levels))
     for level in levels:

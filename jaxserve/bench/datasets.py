@@ -9,12 +9,22 @@
   plus its own `suffix_len` tokens: what a prefix cache is for.
 - `jsonl`: a file with one request per line, `{"prompt": ...}` or `{"messages": [...]}`, optionally
   `"max_tokens"`; requests without one take `output_len`.
+- `random-mm` (vLLM's): `random`'s text as a chat message, followed by images of random pixels sent as
+  `data:` URLs (JPEG). Images per request drawn uniformly from [floor(n * (1 - r)), ceil(n * (1 + r))] and
+  capped at the per-prompt limit; each image's size drawn from `buckets` {(height, width, frames):
+  probability} (frames 1: images). The text comes from the same draws as `random`'s at the same seed, so
+  1 or 4 images and none compare at the same text. `num_distinct_images` N > 0 (jaxserve's) draws every
+  image from N made up front: N = 1 repeats one image, what an encoder cache is for.
 """
 
 from __future__ import annotations
 
+import ast
+import base64
 import dataclasses
+import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +39,7 @@ class SampleRequest:
     output_len: int
     messages: list[dict] | None = None  # chat: a conversation
     prompt_len: int | None = None  # known only for token-id prompts
+    images: int = 0  # images in `messages`
 
 
 def _lengths(rng: np.random.Generator, n: int, length: int, range_ratio: float) -> np.ndarray:
@@ -104,4 +115,77 @@ def jsonl_requests(path: str, n: int | None, output_len: int) -> list[SampleRequ
         raise ValueError(f"{path}: no requests")
     if n is not None:  # cycle through the file to reach n requests
         requests = [requests[i % len(requests)] for i in range(n)]
+    return requests
+
+
+DEFAULT_MM_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}"
+
+
+def parse_mm_buckets(value) -> dict[tuple[int, int], float]:
+    """`--random-mm-bucket-config` as vLLM takes it, a dict literal {(height, width, frames): probability}
+    (text or a dict) -> {(height, width): probability}: entries of probability 0 dropped, the rest scaled to
+    sum to 1. Frames above 1 are videos, which are not generated."""
+    text = value
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"--random-mm-bucket-config {text!r} is not a dict such as {DEFAULT_MM_BUCKETS}: "
+                             f"{e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--random-mm-bucket-config {text!r} is not a dict such as {DEFAULT_MM_BUCKETS}")
+    buckets: dict[tuple[int, int], float] = {}
+    for key, p in value.items():
+        if not (isinstance(key, tuple) and len(key) == 3
+                and all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in key)):
+            raise ValueError(f"--random-mm-bucket-config: {key!r} is not (height, width, frames), positive integers")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < math.inf:
+            raise ValueError(f"--random-mm-bucket-config: {key!r} has probability {p!r}, not a number >= 0")
+        if p and key[2] != 1:
+            raise ValueError(f"--random-mm-bucket-config: {key!r} is a video ({key[2]} frames): only images "
+                             f"(frames 1) are generated")
+        if p:
+            buckets[key[:2]] = buckets.get(key[:2], 0.0) + p
+    if not buckets:
+        raise ValueError(f"--random-mm-bucket-config {text!r}: no size has a probability above 0")
+    total = sum(buckets.values())
+    return {size: p / total for size, p in buckets.items()}
+
+
+def image_data_url(pixels: np.ndarray) -> str:
+    """[height, width, 3] uint8 as a `data:image/jpeg;base64,...` URL."""
+    from PIL import Image
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, "JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def random_mm_requests(n: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
+                       tokenizer=None, *, base_items: int = 1, items_range_ratio: float = 0.0, limit: int = 16,
+                       buckets=None, num_distinct_images: int = 0) -> list[SampleRequest]:
+    if base_items < 0 or not 0 <= items_range_ratio <= 1 or num_distinct_images < 0:
+        raise ValueError(f"random-mm: items per request must be >= 0, its range ratio in [0, 1] and the distinct "
+                         f"images >= 0; got {base_items}, {items_range_ratio} and {num_distinct_images}")
+    if base_items > limit:
+        raise ValueError(f"--random-mm-base-items-per-request {base_items} is over the {limit} images a prompt may "
+                         f"carry (--random-mm-limit-mm-per-prompt)")
+    sizes = parse_mm_buckets(DEFAULT_MM_BUCKETS if buckets is None else buckets)
+    texts = random_requests(n, input_len, output_len, range_ratio, seed, tokenizer, form="text")
+    rng = np.random.default_rng([seed, 1])  # the images' own draws: the text is random's, whatever the images
+    low, high = math.floor(base_items * (1 - items_range_ratio)), math.ceil(base_items * (1 + items_range_ratio))
+    counts = np.minimum(rng.integers(low, high + 1, n), limit)
+    shapes, probabilities = list(sizes), list(sizes.values())
+
+    def new_image() -> str:
+        height, width = shapes[rng.choice(len(shapes), p=probabilities)]
+        return image_data_url(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+    pool = [new_image() for _ in range(num_distinct_images)]
+    requests = []
+    for text, count in zip(texts, counts):
+        urls = [pool[rng.integers(len(pool))] if pool else new_image() for _ in range(int(count))]
+        content = [{"type": "text", "text": text.prompt},
+                   *({"type": "image_url", "image_url": {"url": url}} for url in urls)]
+        requests.append(SampleRequest(text.prompt, text.output_len, [{"role": "user", "content": content}],
+                                      images=len(urls)))
     return requests
