@@ -11,19 +11,27 @@ h200x4), tensor x pipeline (v6e-4 as 2 x 2), and a multi-host slice (v5e-16: 16 
 3. temp bytes stay under TEMP_BOUND: a decode step of these models needs activations of a few kB a token.
 The pool (4096 pages of 16 tokens) is far larger than anything else the programs hold, so a copy of it
 shows. One program each keeps this file within about two minutes of the suite's time here.
+A Gemma 3 vision checkpoint's step (its image rows placed at the image tokens, which attend to each other
+through the attention kernel's span ends: Triton on H200, Mosaic on v6e) and its vision encoder's programs
+compile for both chips too.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from jaxserve.config import SpeculativeConfig
-from jaxserve.engine.sizing import plan_target
+from jaxserve.engine.images import encoder_batch_sizes
+from jaxserve.engine.sizing import plan_target, step_programs
 from jaxserve.engine_args import EngineArgs
 from sharding.chips import parse_target
-from tests.compile_targets import tiny_config, write_config
+from tests.compile_targets import HEADS, tiny_config, write_config
 
 NUM_PAGES, PAGE_SIZE = 4096, 16
+GEMMA3_VISION = Path(__file__).resolve().parent / "fixtures" / "vlm" / "gemma3"
 TEMP_BOUND = 8 << 20  # bytes per device, the decode program's temp buffers
 
 CASES = {
@@ -69,3 +77,47 @@ def test_step_program_compiles_for_the_chip_with_the_cache_in_place(case, model_
     one_layers_pages = kv_pool // (2 * mesh.layers_per_stage)  # K (or V) of one layer, on one device
     assert program.temp_bytes < one_layers_pages, f"{program.temp_bytes} temp bytes: a layer's pages copied?"
     assert program.temp_bytes <= TEMP_BOUND
+
+
+@pytest.fixture(scope="module")
+def gemma3_vision_dir(tmp_path_factory):
+    """The tiny Gemma 3 fixture's config with TPU-sized attention heads (its vision tower as it is)."""
+    config = json.loads((GEMMA3_VISION / "config.json").read_text())
+    config["text_config"].update(HEADS, hidden_size=256, intermediate_size=512, query_pre_attn_scalar=128)
+    return write_config(tmp_path_factory.mktemp("configs") / "gemma3", config)
+
+
+@pytest.mark.parametrize("target_name", ["h200", "v6e-1"])
+def test_a_gemma3_vision_step_and_its_encoder_compile_for_the_chip(target_name, gemma3_vision_dir):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.execution.vision import VisionEncoderProgram
+    from jaxserve.model.siglip import Gemma3VisionEncoder
+    from jaxserve.vision_config import vision_config
+    from sharding.compile_only import compile_devices, compile_options
+
+    target = parse_target(target_name)
+    args = EngineArgs(model=str(gemma3_vision_dir), dtype="bfloat16", num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                      max_num_seqs=4, max_model_len=512, token_buckets=(32,), max_num_batched_tokens=32)
+    plan = plan_target(args, target, programs="decode")
+    program, = plan.programs
+    rows = step_programs(plan.built, args).image_rows
+    assert rows is not None and rows.spans and rows.rows_per_step == 32  # two images of 16 tokens a step
+    assert plan.built.attention.name == ("pallas-mosaic" if target.chip.is_tpu else "pallas-triton")
+    assert program.alias_bytes >= plan.footprint.kv_pool, "KV pool not donated"
+    assert program.temp_bytes <= TEMP_BOUND
+
+    # The encoder: its programs (1 and 2 images a call under this budget) for the same chip, the projector's
+    # rows as wide as the text model's hidden size, in its dtype.
+    config = vision_config(json.loads((gemma3_vision_dir / "config.json").read_text()))
+    encoder = VisionEncoderProgram(Gemma3VisionEncoder(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                                   (config.num_channels, config.image_size, config.image_size), jnp.bfloat16,
+                                   device=jax.devices("cpu")[0], buckets=encoder_batch_sizes(2))
+    device = compile_devices(target)[0]
+    for bucket in encoder.buckets:
+        with jax.default_device(device):
+            lowered = encoder.lower(bucket, device)
+            lowered.compile(compile_options(target))
+        assert (lowered.out_info.shape, lowered.out_info.dtype) == ((bucket, 16, 256), jnp.bfloat16)

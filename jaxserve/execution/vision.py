@@ -39,6 +39,14 @@ class VisionEncoderProgram:
         for bucket in self.buckets:
             jax.block_until_ready(self._run(np.zeros((bucket, *self.image_shape), np.float32)))
 
+    def lower(self, bucket: int, device=None):
+        """The program of `bucket` images lowered for `device` (default: its own), not run: compiled ahead for
+        a chip that is not here (tests/test_compiled_steps.py), as `jaxserve plan` compiles the steps."""
+        place = jax.sharding.SingleDeviceSharding(device or self.device)
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), self._params)
+        return self._encode.lower(shapes, jax.ShapeDtypeStruct((bucket, *self.image_shape), jnp.float32,
+                                                               sharding=place))
+
     def _run(self, batch: np.ndarray) -> jax.Array:
         return self._encode(self._params, jax.device_put(batch, self.device))
 
