@@ -94,6 +94,11 @@ class StepChannel:
             logger.info("releasing the follower processes")
         _broadcast(np.array([kind, size, flag], np.int32))
         if batch is not None:
+            self.send_batch(batch)
+
+    def send_batch(self, batch) -> None:
+        """One more pytree of the step the header announced (its flag says so to the followers)."""
+        if self.active:
             _broadcast(batch)
 
     def receive_header(self) -> tuple[int, int, int]:

@@ -9,7 +9,9 @@
    scheduler's `ImageScheduling` (references, budget, whole images: `scheduling/images.py`).
 2. For any other model it gives `NoImages`, which refuses images by name: a text-only model, or a family
    whose images are not run yet (Qwen2.5-VL's language model, with M-RoPE, is not served yet).
-3. `attach(checked, images)` checks a request's images against the budget (an image must fit one step: its
+3. Multi-host: process 0 (the leader, which schedules) alone loads the encoder, on a device of its own, and
+   relays each step's rows to the others (`execution/relay.py`); they only place what arrives.
+4. `attach(checked, images)` checks a request's images against the budget (an image must fit one step: its
    tokens attend to each other, so they are computed together) and attaches them as the scheduler's
    `ImageSpan`s, pixels included. Nothing is encoded before a step needs it.
 """
@@ -20,6 +22,8 @@ import dataclasses
 import logging
 from pathlib import Path
 from typing import Sequence
+
+import jax
 
 from jaxserve.config_families import GEMMA3_VISION_TYPES
 from jaxserve.errors import ImagesNotServed, InvalidParameter
@@ -134,25 +138,31 @@ def images_for(args, built) -> EngineImages | NoImages:
     model_type = vision_model_type(args.model_dir)
     if not _runs_images(args, built):
         return NoImages(built.name, model_type)
-    if args.num_processes and args.num_processes > 1:
-        logger.warning("images are not served on a multi-host mesh: the vision encoder is not loaded")
-        return NoImages(built.name, model_type)
-    from jaxserve.loader.encoders import load_vision_encoder
-
     config = _vision_config(args)
     budget = _budget(args, built, config)
-    encoder = VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
-                                   (config.num_channels, config.image_size, config.image_size), built.dtype,
-                                   device=built.model.plan.mesh.devices.flat[0],
-                                   buckets=encoder_batch_sizes(budget // config.mm_tokens_per_image))
     cache = EncoderCache(int(args.mm_encoder_cache_gb * (1 << 30)))
-    rows = _rows(built, budget, cache, encoder)
-    logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
-                "%s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated); "
-                "encoder cache: %.3g GiB of rows kept for images no request needs", config.mm_tokens_per_image,
-                rows.rows_per_step, "/".join(map(str, encoder.buckets)), encoder.device, args.mm_encoder_cache_gb)
+    if jax.process_index() == 0:
+        rows = _rows(built, budget, cache, _encoder(args, built, config, budget))
+        logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each "
+                    "of %s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated%s); "
+                    "encoder cache: %.3g GiB of rows kept for images no request needs", config.mm_tokens_per_image,
+                    rows.rows_per_step, "/".join(map(str, rows.encoder.buckets)), rows.encoder.device,
+                    ", relayed to the other processes" if jax.process_count() > 1 else "", args.mm_encoder_cache_gb)
+    else:  # a multi-host follower: the leader encodes, and relays each step's rows
+        rows = _rows(built, budget)
+        logger.info("vision encoder: on process 0, which relays the rows of each step's images")
     # A chunk holds an image whole, since its tokens attend to each other.
     return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
+
+
+def _encoder(args, built, config, budget: int) -> VisionEncoderProgram:
+    from jaxserve.loader.encoders import load_vision_encoder
+
+    # The first of the mesh's devices that this process drives (a multi-host mesh's first may be another's).
+    device = next(d for d in built.model.plan.mesh.devices.flat if d.process_index == jax.process_index())
+    return VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
+                                (config.num_channels, config.image_size, config.image_size), built.dtype, device=device,
+                                buckets=encoder_batch_sizes(budget // config.mm_tokens_per_image))
 
 
 def abstract_rows(args, built) -> EncoderRowsBuilder | None:

@@ -7,9 +7,13 @@ for why the packed batch is broadcast rather than the scheduler replicated).
    single-process run (nothing here is on its path), `LeaderRunner` on process 0, `FollowerRunner` on
    the others. Callers use the same interface either way.
 2. `LeaderRunner.dispatch` broadcasts each step's header and packed buffers (and masks) before running it;
-   its warm-up compiles by running an empty step of each bucket, so the followers compile as it reaches
-   them. Each caller's call (`call`: an `LLM.generate`, warm-up, a server's lifetime) ends with a
-   broadcast END that returns the followers from `follow`.
+   a vision model's step with image tokens also sends its encoder rows, gathered on the leader, which alone
+   loads the encoder (a header bit; a second broadcast, so a text step's relay is unchanged). Rows, not
+   pixels: Gemma 3's 896-pixel image is 9.6 MB of float32 pixels, its 256 rows 1.3 MB (bfloat16, 4B
+   model), and the followers need no encoder, cache or copy of its weights. Its warm-up compiles by running
+   an empty step of each bucket (with image rows: each bucket's relay of them compiles there too), so the
+   followers compile as it reaches them. Each caller's call (`call`: an `LLM.generate`, warm-up, a server's
+   lifetime) ends with a broadcast END that returns the followers from `follow`.
 3. `FollowerRunner.call` runs the leader's steps, in order, until that END, and answers `on_follower`.
 """
 
@@ -20,11 +24,13 @@ import numpy as np
 
 from jaxserve.execution.batch import BatchLayout
 from jaxserve.execution.compiler import WarmupReport
+from jaxserve.execution.image_rows import EncoderRows
 from jaxserve.execution.runner import LaunchedStep, ModelRunner
 from jaxserve.scheduling.step import StepPlan
 from sharding.multihost import END, STEP, StepChannel
 
-_WITH_LOGITS, _HAS_MASKS, _PLAIN = 1, 2, 4  # bits of the step header's flag (_PLAIN: the bucket's plain program)
+# Bits of the step header's flag (_PLAIN: the bucket's plain program; _HAS_IMAGES: encoder rows follow the batch).
+_WITH_LOGITS, _HAS_MASKS, _PLAIN, _HAS_IMAGES = 1, 2, 4, 8
 
 
 def runner_for_this_process(*args, **kwargs) -> ModelRunner:
@@ -40,13 +46,14 @@ class LeaderRunner(ModelRunner):
         self.channel = StepChannel()
 
     def dispatch(self, step: StepPlan | None, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
-                 masks: np.ndarray | None, with_logits: bool, images=None) -> LaunchedStep:
-        if images is not None:  # the engine loads no vision encoder on a multi-host mesh
-            raise NotImplementedError("image inputs are not relayed to follower processes")
+                 masks: np.ndarray | None, with_logits: bool, images: EncoderRows | None = None) -> LaunchedStep:
         flags = (int(with_logits) | (_HAS_MASKS if masks is not None else 0)
+                 | (_HAS_IMAGES if images is not None else 0)
                  | (_PLAIN if layout is self.compiler.plain_layouts.get(layout.tokens) else 0))
         self.channel.send(STEP, layout.tokens, flags, (ints, floats) if masks is None else (ints, floats, masks))
-        return super().dispatch(step, layout, ints, floats, masks, with_logits)
+        if images is not None:
+            self.channel.send_batch(images)
+        return super().dispatch(step, layout, ints, floats, masks, with_logits, images)
 
     def warmup(self, background: bool = False, on_done=None) -> WarmupReport | None:
         # The followers compile as the leader's steps reach them: one program at a time, in the foreground.
@@ -59,8 +66,10 @@ class LeaderRunner(ModelRunner):
 
     def _build_program(self, layout: BatchLayout) -> None:
         # Every process must compile the program its collectives run. No sequences: every token writes to
-        # the null page.
-        jax.block_until_ready(self.dispatch(None, layout, *layout.empty(), None, with_logits=False).outputs)
+        # the null page. Where the steps take image rows, blank ones go along: their relay compiles here, not
+        # at the first image.
+        images = None if self.image_rows is None else self.image_rows.empty(layout.tokens)
+        jax.block_until_ready(self.dispatch(None, layout, *layout.empty(), None, False, images).outputs)
 
     def call(self, work, on_follower=None):
         try:
@@ -104,5 +113,7 @@ class FollowerRunner(ModelRunner):
                 masks = np.asarray(masks)
             else:
                 (ints, floats), masks = self.channel.receive_batch(template), None
-            self.dispatch(None, layout, np.asarray(ints), np.asarray(floats), masks, bool(flag & _WITH_LOGITS))
+            images = self.channel.receive_batch(self.image_rows.empty(tokens)) if flag & _HAS_IMAGES else None
+            self.dispatch(None, layout, np.asarray(ints), np.asarray(floats), masks, bool(flag & _WITH_LOGITS),
+                          images)
             steps += 1

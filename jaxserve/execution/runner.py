@@ -199,7 +199,7 @@ class ModelRunner:
         # The vision encoder's programs, after the steps' warm-up batches: compiled before them, its bucket-1
         # program was traced again at the first image under the Pallas Triton kernel in interpret mode on CPU
         # (no global config changed; the cause is in the interpret mode's tracing context).
-        if self.image_rows is not None:
+        if self.image_rows is not None and self.image_rows.encoder is not None:
             with self.events.counting(warmup=True):
                 self.image_rows.encoder.warmup()
         self.state  # noqa: B018 - the cache was being filled, meanwhile, on its thread
@@ -239,11 +239,13 @@ class ModelRunner:
         images = None
         if self.image_rows is not None:  # encoding a step's new images compiles nothing after warm-up
             with self.events.counting():
-                images = self.image_rows.build(step, layout.tokens)
+                images = self.image_rows.gather(step, layout.tokens)
         return self.dispatch(step, layout, ints, floats, masks, with_logits, images)
 
     def dispatch(self, step: StepPlan | None, layout: BatchLayout, ints: np.ndarray, floats: np.ndarray,
                   masks: np.ndarray | None, with_logits: bool, images: EncoderRows | None = None) -> LaunchedStep:
+        """Run `layout`'s program on the packed batch; `images`: a vision model's encoder rows on the host
+        (`EncoderRowsBuilder.gather`; None: the step has no image token)."""
         # Masks go in as committed device arrays either way: a host array would be another program to compile.
         if not self.head.takes_masks:
             masks = None
@@ -251,8 +253,8 @@ class ModelRunner:
             masks = self._open_masks[layout.tokens]
         else:
             masks = jax.device_put(masks, self.plan.replicated)
-        if self.image_rows is not None and images is None:
-            images = self.image_rows.blank(layout.tokens)
+        if self.image_rows is not None:
+            images = self.image_rows.place(images, layout.tokens)
         inputs = StepInputs(ints, floats, masks, None if self.lora is None else self.lora.stack, images)
         launched_at = time.perf_counter()
         with self.events.counting():
