@@ -24,11 +24,11 @@ from jaxserve.scheduling.encoder_cache import EncoderCache
 from jaxserve.scheduling.images import ImageScheduling, ImageSpan, fit_chunk, image_chunks, page_extras
 from tests.page_checks import assert_pages_released
 from tests.test_scheduler import AsyncLoop, make_scheduler, request
-from tests.test_vlm_requests import CONVERSATIONS, VLM, image_part
+from tests.test_vlm_requests import VLM, image_part
+from tests.vlm_golden import CASES, Golden, greedy, recording_llm
 
-GOLDEN = dict(np.load(VLM / "gemma3" / "golden.npz"))
-CASES = {"text_only": [{"role": "user", "content": "Say something short."}], **CONVERSATIONS}
-TOP = 5
+GOLDEN = Golden("gemma3")
+check_against_golden = GOLDEN.check
 PAGE = 8
 
 
@@ -43,47 +43,8 @@ class ImagePrompt:  # the fields the engine reads of a `multimodal.prompt.Prompt
 
 @pytest.fixture(scope="module")
 def llm():
-    from jaxserve import LLM
-    llm = LLM(str(VLM / "gemma3"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(32,), page_size=PAGE, num_pages=96)
-    plans = []
-    schedule = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
-    llm.plans = plans
-    yield llm
-
-
-def greedy(logprobs: bool = True, prompt: bool = True) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP if logprobs else None,
-                          prompt_logprobs=TOP if prompt else None)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-
-
-def check_position(entries: dict, reference: np.ndarray, token: int) -> None:
-    """A position's logprobs (the chosen token, the top ones) against the golden logits' log_softmax."""
-    ref = log_softmax(reference)
-    for tid, entry in entries.items():
-        assert abs(entry.logprob - ref[tid]) < 1e-4, (tid, entry.logprob, ref[tid])
-    top = sorted(entries.items(), key=lambda kv: kv[1].rank)[:TOP]
-    assert token in entries
-    np.testing.assert_allclose([e.logprob for _, e in top], np.sort(ref)[::-1][:len(top)], atol=1e-4, rtol=0)
-
-
-def check_against_golden(case: str, out, prompt_scores: bool = True) -> None:
-    ids, logits = GOLDEN[f"{case}.input_ids"].tolist(), GOLDEN[f"{case}.logits"]
-    assert list(out.prompt_token_ids) == ids
-    tokens = out.outputs[0].token_ids
-    assert tokens == GOLDEN[f"{case}.greedy"].tolist(), case
-    for k, (token, entries) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-        check_position(entries, logits[len(ids) - 1 + k], token)
-    if prompt_scores:
-        assert out.prompt_logprobs[0] is None
-        for position in range(1, len(ids)):
-            check_position(out.prompt_logprobs[position], logits[position - 1], ids[position])
+    yield recording_llm("gemma3", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
+                        page_size=PAGE, num_pages=96)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -235,7 +196,7 @@ def test_encoder_cache_keeps_idle_rows_within_its_bytes():
 
 
 def test_a_family_whose_images_are_not_run_is_named():
-    assert "Qwen2.5-VL" in images_refusal("qwen", "qwen2_5_vl", "messages.0.content.0.image_url.url")
+    assert "Qwen2-VL's encoder is not built" in images_refusal("qwen", "qwen2_vl", "messages.0.content.0.image_url.url")
     assert "text-only" in images_refusal("tiny", None, "f")
 
 

@@ -1,16 +1,19 @@
 """A vision model's images in the engine: what is built at start, and the check of a request's images.
 
-1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs (Gemma 3:
-   SigLIP and its projector, `model/siglip.py`) as its own fixed-shape program (`execution/vision.py`),
-   makes the encoder cache (`scheduling/encoder_cache.py`), sizes the step's encoder budget (the rows of
-   `IMAGES_PER_STEP` images, within the token budget) and hands out the two sides of it: the runner's
-   `EncoderRowsBuilder` (it encodes what a step needs and places the rows, `execution/image_rows.py`) and the
-   scheduler's `ImageScheduling` (references, budget, whole images: `scheduling/images.py`).
+1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs as its own
+   fixed-shape program: Gemma 3's SigLIP and projector (`model/siglip.py`, `execution/vision.py`: buckets of
+   images) or Qwen2.5-VL's ViT (`model/qwen_vit.py`, `execution/vision_patches.py`: buckets of patches, with
+   the M-RoPE side in `qwen_images.py`); makes the encoder cache (`scheduling/encoder_cache.py`), sizes the
+   step's encoder budget (the rows of `IMAGES_PER_STEP` of the largest images, within the token budget) and
+   hands out the two sides of it: the runner's `EncoderRowsBuilder` (it encodes what a step needs and places
+   the rows, `execution/image_rows.py`) and the scheduler's `ImageScheduling` (references, budget, whole
+   images: `scheduling/images.py`).
 2. For any other model it gives `NoImages`, which refuses images by name: a text-only model, or a family
-   whose images are not run yet (Qwen2.5-VL's language model, with M-RoPE, is not served yet).
-3. `attach(checked, images)` checks a request's images against the budget (an image must fit one step: its
-   tokens attend to each other, so they are computed together) and attaches them as the scheduler's
-   `ImageSpan`s, pixels included. Nothing is encoded before a step needs it.
+   whose images are not run (Qwen2-VL, whose ViT differs from 2.5's; a pooling runner; a multi-host mesh).
+3. `attach(checked, images)` checks a request's images and attaches them as the scheduler's `ImageSpan`s,
+   pixels included: Gemma 3's must each fit one step (its tokens attend to each other, so they are computed
+   together), Qwen's within the encoder's largest program, and a Qwen prompt gets its M-RoPE positions.
+   Nothing is encoded before a step needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
-from jaxserve.config_families import GEMMA3_VISION_TYPES
+from jaxserve.config_families import GEMMA3_VISION_TYPES, QWEN_VL_TYPES
+from jaxserve.engine.qwen_images import MRoPEImages, encoder_buckets, max_image_tokens, patch_encoder
 from jaxserve.errors import ImagesNotServed, InvalidParameter
 from jaxserve.execution.image_rows import EncoderRowsBuilder
 from jaxserve.execution.vision import VisionEncoderProgram
@@ -28,11 +32,13 @@ from jaxserve.json_files import read_json_object
 from jaxserve.scheduling.encoder_cache import EncoderCache
 from jaxserve.scheduling.images import ImageScheduling, ImageSpan
 from jaxserve.scheduling.validation import CheckedRequest
+from jaxserve.vision_config import QwenVisionConfig
 
 logger = logging.getLogger(__name__)
 
 IMAGES_PER_STEP = 4  # the encoder budget of one step, in images (of rows: images x tokens per image)
 ENCODER_CACHE_BYTES = 256 << 20  # rows kept for images no request needs any more (repeated images skip the encoder)
+SERVED_VISION_TYPES = GEMMA3_VISION_TYPES + ("qwen2_5_vl",)  # whose encoders run (Qwen2-VL's ViT is not built)
 
 
 def vision_model_type(model_dir: str | None) -> str | None:
@@ -66,6 +72,7 @@ class NoImages:
 class EngineImages:
     rows: EncoderRowsBuilder  # the runner's side
     scheduling: ImageScheduling  # the scheduler's side
+    mrope: MRoPEImages | None = None  # Qwen2.5-VL: images by patches, and each prompt's M-RoPE positions
     takes_images = True
 
     @property
@@ -80,18 +87,22 @@ class EngineImages:
         as `multimodal.prompt.PromptImage`); InvalidParameter naming the field of one that cannot be served."""
         spans = []
         for image in images:
-            if image.length > self.scheduling.rows_per_step:
+            if self.scheduling.whole_images and image.length > self.scheduling.rows_per_step:
                 raise InvalidParameter(image.field, f"{image.field}: the image takes {image.length} tokens, more than "
                                                     f"the {self.scheduling.rows_per_step} encoder rows one step "
                                                     f"places (raise max_num_batched_tokens)")
             if image.offset < 0 or image.offset + image.length > len(checked.prompt_ids):
                 raise InvalidParameter(image.field, f"{image.field}: the image's tokens lie outside the prompt")
-            spans.append(ImageSpan(image.offset, image.length, image.content_hash, image.pixel_values))
-        return dataclasses.replace(checked, images=tuple(spans)) if spans else checked
+            pixels = image.pixel_values if self.mrope is None else self.mrope.pixels(image)
+            spans.append(ImageSpan(image.offset, image.length, image.content_hash, pixels))
+        if not spans:
+            return checked
+        mrope = None if self.mrope is None else self.mrope.positions(checked.prompt_ids, images)
+        return dataclasses.replace(checked, images=tuple(spans), mrope=mrope)
 
 
 def _runs_images(args, built) -> bool:
-    return vision_model_type(args.model_dir) in GEMMA3_VISION_TYPES and built.runner == "generate"
+    return vision_model_type(args.model_dir) in SERVED_VISION_TYPES and built.runner == "generate"
 
 
 def _vision_config(args):
@@ -99,11 +110,12 @@ def _vision_config(args):
     return vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
 
 
-def _rows(built, config, cache=None, encoder=None) -> EncoderRowsBuilder:
-    """The runner's side; Gemma 3's image tokens attend to each other (`spans`)."""
-    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * config.mm_tokens_per_image)
+def _rows(built, tokens_per_image: int, cache=None, encoder=None, spans: bool = True) -> EncoderRowsBuilder:
+    """The runner's side: at most `IMAGES_PER_STEP` images of `tokens_per_image` (the most one takes) per
+    step; `spans`: an image's tokens attend to each other (Gemma 3; Qwen's are causal)."""
+    rows_per_step = min(built.scheduler_config.max_num_batched_tokens, IMAGES_PER_STEP * tokens_per_image)
     return EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype, built.model.plan.replicated,
-                              cache, encoder, spans=True)
+                              cache, encoder, spans=spans)
 
 
 def images_for(args, built) -> EngineImages | NoImages:
@@ -117,11 +129,13 @@ def images_for(args, built) -> EngineImages | NoImages:
     from jaxserve.loader.encoders import load_vision_encoder
 
     config = _vision_config(args)
+    if model_type in QWEN_VL_TYPES:
+        return _qwen_images(args, built, config, load_vision_encoder(args.model_dir, built.dtype))
     encoder = VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
                                    (config.num_channels, config.image_size, config.image_size), built.dtype,
                                    device=built.model.plan.mesh.devices.flat[0])
     cache = EncoderCache(ENCODER_CACHE_BYTES)
-    rows = _rows(built, config, cache, encoder)
+    rows = _rows(built, config.mm_tokens_per_image, cache, encoder)
     logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each of "
                 "%s images per call, whole on %s (not tensor-parallel; its rows go to the step replicated)",
                 config.mm_tokens_per_image, rows.rows_per_step, "/".join(map(str, encoder.buckets)), encoder.device)
@@ -129,17 +143,33 @@ def images_for(args, built) -> EngineImages | NoImages:
     return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
 
 
+def _qwen_images(args, built, config, encoder) -> EngineImages:
+    """Qwen2.5-VL: the ViT by buckets of patches, causal image tokens (a chunk may cut through an image), and
+    each prompt's M-RoPE positions (`qwen_images.py`)."""
+    program = patch_encoder(args.model_dir, config, encoder, built.dtype, built.model.plan.mesh.devices.flat[0])
+    rows = _rows(built, max_image_tokens(program), EncoderCache(ENCODER_CACHE_BYTES), program, spans=False)
+    logger.info("vision encoder: images of up to %d patches (%d tokens), at most %d encoder rows per step, one "
+                "program for each of %s patches per call, whole on %s (not tensor-parallel; its rows go to the "
+                "step replicated)", program.max_patches, max_image_tokens(program), rows.rows_per_step,
+                "/".join(map(str, program.buckets)), program.device)
+    return EngineImages(rows, ImageScheduling(rows.cache, rows.rows_per_step, whole_images=False),
+                        MRoPEImages.for_model(args.model_dir, program))
+
+
 def abstract_rows(args, built) -> EncoderRowsBuilder | None:
     """The steps' image input as shapes only (`jaxserve plan`: no encoder, no cache); None: no images."""
     if not _runs_images(args, built):
         return None
-    return _rows(built, _vision_config(args))
+    config = _vision_config(args)
+    if isinstance(config, QwenVisionConfig):
+        return _rows(built, encoder_buckets(args.model_dir, config)[-1] // config.merge_unit, spans=False)
+    return _rows(built, config.mm_tokens_per_image)
 
 
 def images_refusal(model_name: str, model_type: str | None, field: str) -> str:
     """Why this engine takes no images for `model_name`."""
     if model_type is not None:
-        return (f"{field}: model `{model_name}` ({model_type}) takes images in its checkpoint, but jaxserve does not "
-                f"serve them for this family yet: images run on Gemma 3 checkpoints (Qwen2.5-VL's language model "
-                f"with its multimodal rotary positions is not served yet); send text only")
+        return (f"{field}: model `{model_name}` ({model_type}) takes images in its checkpoint, but this engine does "
+                f"not run its vision encoder: images run on Gemma 3 and Qwen2.5-VL checkpoints served by the "
+                f"generate runner on one host (Qwen2-VL's encoder is not built); send text only")
     return f"{field}: model `{model_name}` takes no images: it is a text-only model"
