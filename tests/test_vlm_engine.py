@@ -25,7 +25,7 @@ from jaxserve.scheduling.images import ImageScheduling, ImageSpan, fit_chunk, im
 from tests.page_checks import assert_pages_released
 from tests.test_scheduler import AsyncLoop, make_scheduler, request
 from tests.test_vlm_requests import VLM, image_part
-from tests.vlm_golden import CASES, Golden, greedy, recording_llm
+from tests.vlm_golden import CASES, Golden, check_nothing_compiles_or_leaks, greedy, recording_llm
 
 GOLDEN = Golden("gemma3")
 check_against_golden = GOLDEN.check
@@ -53,17 +53,7 @@ def test_each_conversation_matches_transformers(llm, case):
 
 
 def test_images_and_text_in_one_batch(llm):
-    """Every conversation at once, between text requests: each still gives transformers' tokens and scores."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
-    cases = ["one_image", "text_only", "two_images", "second_turn"]
-    llm.reset_prefix_cache()  # else the prompts' pages, images included, come from the tests before
-    start = len(llm.plans)
-    outs = llm.chat([text, *(CASES[c] for c in cases), text], greedy(prompt=False))
-    for case, out in zip(cases, outs[1:-1]):
-        check_against_golden(case, out, prompt_scores=False)
-    assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    steps = [plan for plan in llm.plans[start:] if any(s.images for s in plan.seqs)]
-    assert any(any(not s.images for s in plan.seqs) for plan in steps), "no step mixed images with text"
+    GOLDEN.check_batched_with_text(llm)
 
 
 def test_a_repeated_image_hits_the_caches_and_another_image_shares_nothing(llm):
@@ -120,16 +110,7 @@ def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
     """After the others (module order; under xdist this worker may have run none of them, so the test runs
     images, text and both mixed itself): nothing compiled; the encoder cache holds rows only for images no
     request needs, and lets go of them with the prefix cache."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
-    llm.chat([CASES["two_images"], text, CASES["second_turn"]], greedy(prompt=False))
-    engine = llm.engine
-    assert engine.compilations_since_warmup == 0
-    assert not engine.has_unfinished()
-    cache = engine.images.cache
-    assert cache.num_referenced == 0 and cache.num_entries > 0
-    llm.reset_prefix_cache()
-    assert cache.num_entries == 0 and cache.num_bytes == 0
-    assert_pages_released(engine.scheduler)
+    check_nothing_compiles_or_leaks(llm)
 
 
 def test_the_pallas_kernel_takes_the_image_spans_too(monkeypatch):

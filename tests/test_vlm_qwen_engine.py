@@ -27,9 +27,8 @@ from jaxserve.json_files import read_json_object
 from jaxserve.model.mrope import PromptPositions
 from jaxserve.sampling.params import SamplingParams
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
-from tests.page_checks import assert_pages_released
 from tests.test_vlm_requests import VLM, image_part
-from tests.vlm_golden import CASES, Golden, greedy, recording_llm
+from tests.vlm_golden import CASES, Golden, check_nothing_compiles_or_leaks, greedy, recording_llm
 
 FAMILY = "qwen2_5_vl"
 GOLDEN = Golden(FAMILY)
@@ -49,17 +48,7 @@ def test_each_conversation_matches_transformers(llm, case):
 
 
 def test_images_and_text_in_one_batch(llm):
-    """Every conversation at once, between text requests: each still gives transformers' tokens and scores."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
-    cases = ["one_image", "text_only", "two_images", "second_turn"]
-    llm.reset_prefix_cache()  # else the prompts' pages, images included, come from the tests before
-    start = len(llm.plans)
-    outs = llm.chat([text, *(CASES[c] for c in cases), text], greedy(prompt=False))
-    for case, out in zip(cases, outs[1:-1]):
-        GOLDEN.check(case, out, prompt_scores=False)
-    assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    steps = [plan for plan in llm.plans[start:] if any(s.images for s in plan.seqs)]
-    assert any(any(not s.images for s in plan.seqs) for plan in steps), "no step mixed images with text"
+    GOLDEN.check_batched_with_text(llm)
 
 
 def test_chunked_prefill_cuts_through_an_image(llm):
@@ -102,18 +91,9 @@ def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
     """Images (both of the ViT's patch buckets: the landscape's 140 patches run in the 160 one, the portrait's
     40 in the 40 one), text and both mixed: nothing compiled; the encoder cache holds rows only for images no
     request needs, and lets go of them with the prefix cache."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
+    assert llm.engine.images.rows.encoder.buckets == (40, 160)
     llm.reset_prefix_cache()
-    llm.chat([CASES["two_images"], text, CASES["second_turn"]], greedy(prompt=False))
-    engine = llm.engine
-    assert engine.images.rows.encoder.buckets == (40, 160)
-    assert engine.compilations_since_warmup == 0
-    assert not engine.has_unfinished()
-    cache = engine.images.cache
-    assert cache.num_referenced == 0 and cache.num_entries > 0
-    llm.reset_prefix_cache()
-    assert cache.num_entries == 0 and cache.num_bytes == 0
-    assert_pages_released(engine.scheduler)
+    check_nothing_compiles_or_leaks(llm)
 
 
 # ---- the pieces, without a model -------------------------------------------------------------------------

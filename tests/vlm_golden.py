@@ -5,7 +5,9 @@ A `Golden` holds one family's golden.npz. `check(case, out)` asserts the engine'
 conversation: the processor's prompt ids, transformers' greedy tokens, and for every generated position (and
 every prompt position, with `prompt_scores`) the chosen token's and the top log-probabilities within 1e-4 of
 log_softmax of transformers' full-forward logits (the engine's logits seen through its draws: the API returns
-no logits). `recording_llm` builds an `LLM` that keeps every step plan its scheduler makes (`llm.plans`).
+no logits); `check_batched_with_text(llm)` does so for all four at once beside text requests.
+`recording_llm` builds an `LLM` that keeps every step plan its scheduler makes (`llm.plans`);
+`check_nothing_compiles_or_leaks(llm)` runs images, text and both mixed and checks the invariants after.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.sampling.params import SamplingParams
+from tests.page_checks import assert_pages_released
 from tests.test_vlm_requests import CONVERSATIONS, VLM
 
 CASES = {"text_only": [{"role": "user", "content": "Say something short."}], **CONVERSATIONS}
@@ -33,6 +36,21 @@ def recording_llm(family: str, **sizes):
     llm.engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
     llm.plans = plans
     return llm
+
+
+def check_nothing_compiles_or_leaks(llm) -> None:
+    """Images, text and both mixed through `llm`: nothing compiled after warm-up; the encoder cache holds rows
+    only for images no request needs, and lets go of them with the prefix cache; every page comes back."""
+    text = [{"role": "user", "content": "Tell me a story about a cat."}]
+    llm.chat([CASES["two_images"], text, CASES["second_turn"]], greedy(prompt=False))
+    engine = llm.engine
+    assert engine.compilations_since_warmup == 0
+    assert not engine.has_unfinished()
+    cache = engine.images.cache
+    assert cache.num_referenced == 0 and cache.num_entries > 0
+    llm.reset_prefix_cache()
+    assert cache.num_entries == 0 and cache.num_bytes == 0
+    assert_pages_released(engine.scheduler)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -68,6 +86,20 @@ class Golden:
             assert out.prompt_logprobs[0] is None
             for position in range(1, len(ids)):
                 check_position(out.prompt_logprobs[position], logits[position - 1], ids[position])
+
+    def check_batched_with_text(self, llm) -> None:
+        """Every conversation at once, between text requests, through `llm` (a `recording_llm`): each still gives
+        transformers' tokens and scores, and some step mixed image and text spans."""
+        text = [{"role": "user", "content": "Tell me a story about a cat."}]
+        cases = ["one_image", "text_only", "two_images", "second_turn"]
+        llm.reset_prefix_cache()  # else the prompts' pages, images included, come from the tests before
+        start = len(llm.plans)
+        outs = llm.chat([text, *(CASES[c] for c in cases), text], greedy(prompt=False))
+        for case, out in zip(cases, outs[1:-1]):
+            self.check(case, out, prompt_scores=False)
+        assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+        steps = [plan for plan in llm.plans[start:] if any(s.images for s in plan.seqs)]
+        assert any(any(not s.images for s in plan.seqs) for plan in steps), "no step mixed images with text"
 
     def image_offsets(self, case: str) -> list[tuple[int, int]]:
         """(offset, length) of each image's tokens in the case's prompt."""
