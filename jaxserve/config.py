@@ -99,6 +99,9 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own (unscaled) RoPE base
+    # Qwen2-VL / Qwen2.5-VL: frequencies turned by the (time, row, column) position axes, in order
+    # (model/mrope.py); None: 1-D positions. A text-only prompt's three axes are equal: plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
     num_experts: int = 0  # mixture of experts: 0 = dense model
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -135,6 +138,9 @@ class ModelConfig:
                              f"num_key_value_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must add up to head_dim / 2 = "
+                             f"{self.head_dim // 2}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ("default", "llama3", "linear"):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: default, llama3, linear")
@@ -194,6 +200,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype") or "float32",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            mrope_section=tuple(cfg["mrope_section"]) if cfg.get("mrope_section") else None,
         )
         return cls(**{**fields, **family_fields(cfg, cfg["num_hidden_layers"])})
 

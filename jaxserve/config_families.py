@@ -1,8 +1,10 @@
 """What each model family's `config.json` says beyond the Llama shape, normalised to `ModelConfig` fields.
 
-1. `text_config` unwraps a multimodal Gemma 3 checkpoint (`model_type` gemma3) to its language model's
-   config, with the defaults transformers' `Gemma3TextConfig` fills in for keys hub files leave out; the
-   vision tower's weights are skipped by name at load time, never loaded (`loader/safetensors.py`).
+1. `text_config` unwraps a multimodal checkpoint to its language model's config: Gemma 3 (`model_type`
+   gemma3), with the defaults transformers' `Gemma3TextConfig` fills in for keys hub files leave out, and
+   Qwen2-VL / Qwen2.5-VL, a Qwen2 decoder whose rotary positions are multimodal (`mrope_section`; its text
+   settings nested in `text_config` by transformers 5, flat in hub files). The vision tower's weights are
+   skipped by name when the language model loads (`loader/safetensors.py`; the engine loads them apart).
 2. `family_fields` reads the per-family keys in either spelling checkpoints use (transformers 5:
    `layer_types`, `rope_parameters` per layer kind, `num_local_experts`; transformers 4: the sliding
    window pattern, `rope_local_base_freq`, `num_experts`) and turns layer-wise choices into per-layer
@@ -32,7 +34,10 @@ GEMMA3_TEXT_DEFAULTS = {
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config of a checkpoint: `cfg` itself, or a multimodal Gemma 3's text part."""
+    """The language model's config of a checkpoint: `cfg` itself, or a multimodal Gemma 3's or Qwen-VL's
+    text part."""
+    if cfg.get("model_type") in QWEN_VL_TYPES:
+        return _qwen_vl_text_config(cfg)
     if cfg.get("model_type") != "gemma3":
         return cfg
     text = {**GEMMA3_TEXT_DEFAULTS, **(cfg.get("text_config") or {}), "model_type": "gemma3_text"}
@@ -40,6 +45,28 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
         if key in cfg and key not in (cfg.get("text_config") or {}):
             text[key] = cfg[key]
+    return text
+
+
+def _qwen_vl_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen-VL checkpoint's language model as a `qwen2` config with its `mrope_section`. Its rope settings
+    carry the section beside the theta: transformers 5 `rope_parameters` {"mrope_section", "rope_type":
+    "default"}, hub files `rope_scaling` {"type": "mrope", "mrope_section"} (transformers reads "mrope" as
+    default rope: the section alone makes it multimodal)."""
+    text = {**{k: v for k, v in cfg.items() if k not in ("vision_config", "text_config")},
+            **(cfg.get("text_config") or {}), "model_type": "qwen2"}
+    section = None
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = dict(text.get(key) or {})
+        section = rope.pop("mrope_section", None) or section
+        if rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
+            rope.pop("type", None)
+            rope["rope_type"] = "default"
+        text[key] = rope or None
+    if section is None:
+        raise ValueError(f"a {cfg.get('model_type')} config needs mrope_section in its rope_parameters or "
+                         f"rope_scaling")
+    text["mrope_section"] = list(section)
     return text
 
 

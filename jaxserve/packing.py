@@ -7,7 +7,9 @@ dimensions and its dtype (`packed(...)`), so the offsets, the host views that fi
 slices that the jitted step reads back are all derived from the declaration:
 
 1. `Packing(cls, dims)` lays the fields (nested packed dataclasses included) out in declaration order,
-   int32 and uint32 fields in the int buffer, float32 fields in the float buffer.
+   int32 and uint32 fields in the int buffer, float32 fields in the float buffer. A field whose dimensions
+   make it empty is absent (None, no slice in the program): an input only some models have (M-RoPE's
+   positions) costs the others nothing, their programs stay as they were.
 2. On the host, `empty()` gives two buffers holding every field's fill value and `views(ints, floats)` an
    instance of the dataclass whose leaves are numpy views into them: writing a view fills the buffer.
 3. Inside the jitted step, `unpack(ints, floats)` gives an instance whose leaves are static slices of
@@ -91,6 +93,9 @@ class Packing:
                 tree[f.name] = (hints[f.name], self._layout(hints[f.name]))
                 continue
             shape = tuple(_size(d, self.dims) for d in spec.shape)
+            if not math.prod(shape):
+                tree[f.name] = None
+                continue
             buffer = _STORED[spec.dtype]
             start = self.sizes[buffer]
             self.sizes[buffer] += math.prod(shape)
@@ -108,14 +113,17 @@ class Packing:
     def _build(self, tree: dict, cls: type, leaf: Callable[[_Slot], Any]):
         values = {}
         for name, node in tree.items():
-            values[name] = self._build(node[1], node[0], leaf) if isinstance(node, tuple) else leaf(node)
+            if node is None:
+                values[name] = None
+            else:
+                values[name] = self._build(node[1], node[0], leaf) if isinstance(node, tuple) else leaf(node)
         return cls(**values)
 
     def _slots(self, tree: dict | None = None):
         for node in (tree or self.tree).values():
             if isinstance(node, tuple):
                 yield from self._slots(node[1])
-            else:
+            elif node is not None:
                 yield node
 
     def empty(self) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +171,7 @@ class Packing:
         tree = self.tree if group is None else self.tree[group][1]
         prefix = () if group is None else (group,)
         return [(prefix + (name,), node.spec.source) for name, node in tree.items()
-                if not isinstance(node, tuple) and node.spec.source is not None]
+                if isinstance(node, _Slot) and node.spec.source is not None]
 
 
 def leaf_at(instance, path: tuple[str, ...]):

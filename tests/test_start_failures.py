@@ -37,8 +37,8 @@ BOUND_SECONDS = 30
 # case -> (command after `python -m jaxserve`, with {dir} a broken model folder and {port} a port;
 #          what the last stderr line must say)
 CASES = {
-    "unknown_model_type": ("serve {vl} --port {port}",
-                           r"model_type 'qwen2_5_vl' in \S+/config\.json is not supported \(supported: llama"),
+    "unknown_model_type": ("serve {unknown_type} --port {port}",
+                           r"model_type 'mamba' in \S+/config\.json is not supported \(supported: llama"),
     "malformed_config": ("serve {bad_json} --port {port}", r"\S+/config\.json is not valid JSON: line 3 column 1"),
     "no_tokenizer": ("serve {no_tokenizer} --port {port}", r"no tokenizer\.json in \S+: .*pass --tokenizer DIR"),
     "truncated_weights": ("serve {truncated} --port {port}",
@@ -66,8 +66,8 @@ def broken_copies(stories_dir: Path, root: Path) -> dict[str, Path]:
         return folder
 
     folders = {"good": stories_dir,
-               "vl": edit_config(copy("vl"), model_type="qwen2_5_vl",
-                                 architectures=["Qwen2_5_VLForConditionalGeneration"]),
+               "unknown_type": edit_config(copy("unknown_type"), model_type="mamba",
+                                 architectures=["MambaForCausalLM"]),
                "wider_mlp": edit_config(copy("wider_mlp"), intermediate_size=256)}
     (copy("bad_json") / "config.json").write_text('{\n  "model_type": "llama",\n}\n')  # a trailing comma
     folders["bad_json"] = root / "bad_json"
@@ -216,14 +216,14 @@ def broken(stories_dir, tmp_path_factory) -> dict[str, Path]:
 def test_llm_raises_the_reason(broken):
     from jaxserve.entrypoints.llm import LLM
 
-    with pytest.raises(ValueError, match=r"model_type 'qwen2_5_vl' in \S+/config\.json is not supported"):
-        LLM(str(broken["vl"]))
+    with pytest.raises(ValueError, match=r"model_type 'mamba' in \S+/config\.json is not supported"):
+        LLM(str(broken["unknown_type"]))
     with pytest.raises(ValueError, match=r"model\.safetensors is truncated"):
         LLM(str(broken["truncated"]))
 
 
 @pytest.mark.parametrize("command, reason", [
-    ("generate --model {vl} --prompt hi", r"model_type 'qwen2_5_vl' in \S+/config\.json is not supported"),
+    ("generate --model {unknown_type} --prompt hi", r"model_type 'mamba' in \S+/config\.json is not supported"),
     ("bench latency --model {truncated} --num-iters 1", r"\S+/model\.safetensors is truncated"),
     ("generate --model {wider_mlp} --prompt hi",
      r"weight '\S+' in \S+ has shape \(\d+, \d+\) but \S+/config\.json implies"),

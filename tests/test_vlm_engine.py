@@ -25,11 +25,11 @@ from jaxserve.scheduling.encoder_cache import EncoderCache
 from jaxserve.scheduling.images import ImageScheduling, ImageSpan, fit_chunk, image_chunks, page_extras
 from tests.page_checks import assert_pages_released
 from tests.test_scheduler import AsyncLoop, make_scheduler, request
-from tests.test_vlm_requests import CONVERSATIONS, VLM, image_part
+from tests.test_vlm_requests import VLM, image_part
+from tests.vlm_golden import CASES, Golden, check_nothing_compiles_or_leaks, greedy, recording_llm
 
-GOLDEN = dict(np.load(VLM / "gemma3" / "golden.npz"))
-CASES = {"text_only": [{"role": "user", "content": "Say something short."}], **CONVERSATIONS}
-TOP = 5
+GOLDEN = Golden("gemma3")
+check_against_golden = GOLDEN.check
 PAGE = 8
 
 
@@ -44,47 +44,8 @@ class ImagePrompt:  # the fields the engine reads of a `multimodal.prompt.Prompt
 
 @pytest.fixture(scope="module")
 def llm():
-    from jaxserve import LLM
-    llm = LLM(str(VLM / "gemma3"), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              token_buckets=(32,), page_size=PAGE, num_pages=96)
-    plans = []
-    schedule = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
-    llm.plans = plans
-    yield llm
-
-
-def greedy(logprobs: bool = True, prompt: bool = True) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP if logprobs else None,
-                          prompt_logprobs=TOP if prompt else None)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    logits = logits.astype(np.float64)
-    return logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-
-
-def check_position(entries: dict, reference: np.ndarray, token: int) -> None:
-    """A position's logprobs (the chosen token, the top ones) against the golden logits' log_softmax."""
-    ref = log_softmax(reference)
-    for tid, entry in entries.items():
-        assert abs(entry.logprob - ref[tid]) < 1e-4, (tid, entry.logprob, ref[tid])
-    top = sorted(entries.items(), key=lambda kv: kv[1].rank)[:TOP]
-    assert token in entries
-    np.testing.assert_allclose([e.logprob for _, e in top], np.sort(ref)[::-1][:len(top)], atol=1e-4, rtol=0)
-
-
-def check_against_golden(case: str, out, prompt_scores: bool = True) -> None:
-    ids, logits = GOLDEN[f"{case}.input_ids"].tolist(), GOLDEN[f"{case}.logits"]
-    assert list(out.prompt_token_ids) == ids
-    tokens = out.outputs[0].token_ids
-    assert tokens == GOLDEN[f"{case}.greedy"].tolist(), case
-    for k, (token, entries) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-        check_position(entries, logits[len(ids) - 1 + k], token)
-    if prompt_scores:
-        assert out.prompt_logprobs[0] is None
-        for position in range(1, len(ids)):
-            check_position(out.prompt_logprobs[position], logits[position - 1], ids[position])
+    yield recording_llm("gemma3", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
+                        page_size=PAGE, num_pages=96)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -93,17 +54,7 @@ def test_each_conversation_matches_transformers(llm, case):
 
 
 def test_images_and_text_in_one_batch(llm):
-    """Every conversation at once, between text requests: each still gives transformers' tokens and scores."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
-    cases = ["one_image", "text_only", "two_images", "second_turn"]
-    llm.reset_prefix_cache()  # else the prompts' pages, images included, come from the tests before
-    start = len(llm.plans)
-    outs = llm.chat([text, *(CASES[c] for c in cases), text], greedy(prompt=False))
-    for case, out in zip(cases, outs[1:-1]):
-        check_against_golden(case, out, prompt_scores=False)
-    assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-    steps = [plan for plan in llm.plans[start:] if any(s.images for s in plan.seqs)]
-    assert any(any(not s.images for s in plan.seqs) for plan in steps), "no step mixed images with text"
+    GOLDEN.check_batched_with_text(llm)
 
 
 def test_a_repeated_image_hits_the_caches_and_another_image_shares_nothing(llm):
@@ -160,16 +111,7 @@ def test_nothing_compiles_after_warmup_and_nothing_leaks(llm):
     """After the others (module order; under xdist this worker may have run none of them, so the test runs
     images, text and both mixed itself): nothing compiled; the encoder cache holds rows only for images no
     request needs, and lets go of them with the prefix cache."""
-    text = [{"role": "user", "content": "Tell me a story about a cat."}]
-    llm.chat([CASES["two_images"], text, CASES["second_turn"]], greedy(prompt=False))
-    engine = llm.engine
-    assert engine.compilations_since_warmup == 0
-    assert not engine.has_unfinished()
-    cache = engine.images.cache
-    assert cache.num_referenced == 0 and cache.num_entries > 0
-    llm.reset_prefix_cache()
-    assert cache.num_entries == 0 and cache.num_bytes == 0
-    assert_pages_released(engine.scheduler)
+    check_nothing_compiles_or_leaks(llm)
 
 
 def test_the_pallas_kernel_takes_the_image_spans_too(monkeypatch):
@@ -268,7 +210,7 @@ def test_encoder_cache_keeps_idle_rows_within_its_bytes():
 
 
 def test_a_family_whose_images_are_not_run_is_named():
-    assert "Qwen2.5-VL" in images_refusal("qwen", "qwen2_5_vl", "messages.0.content.0.image_url.url")
+    assert "Qwen2-VL's encoder is not built" in images_refusal("qwen", "qwen2_vl", "messages.0.content.0.image_url.url")
     assert "text-only" in images_refusal("tiny", None, "f")
 
 

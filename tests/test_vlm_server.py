@@ -1,5 +1,6 @@
 """Images in requests through the real server (uvicorn on loopback, the official `openai` client), serving the
-tiny Gemma 3 vision checkpoint (tests/fixtures/vlm/gemma3; the engine serves its language model).
+tiny Gemma 3 vision checkpoint (tests/fixtures/vlm/gemma3; the engine serves its language model), and for one
+test the tiny Qwen2.5-VL one (its own server: dynamic resolution, M-RoPE).
 
 Every image is taken up to the engine's door (limits, loading under the media flags, the chat template's
 placeholders, the processor's expansion), and each bad one is a 400 in OpenAI's shape naming the field: too
@@ -218,3 +219,24 @@ def test_offline_chat_and_multi_modal_data_take_the_same_path(server):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": picture}})
     assert llm.generate("<bos>Hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
     assert not llm.engine.has_unfinished() and llm.engine.images.cache.num_referenced == 0
+
+
+@pytest.fixture(scope="module")
+def qwen_server():
+    with running_server(EngineArgs(model=str(VLM / "qwen2_5_vl"), **{**SIZES, "max_model_len": 256})) as running:
+        yield running
+
+
+def test_a_qwen_image_is_answered_as_transformers_does(qwen_server):
+    """Qwen2.5-VL through the openai client: the landscape's 35 image tokens are prefilled in chunks of 16 that
+    cut through it (its image tokens attend causally), every token at its M-RoPE positions: the fixture's
+    prompt ids and greedy tokens."""
+    golden = dict(np.load(VLM / "qwen2_5_vl" / "golden.npz"))
+    models = httpx.get(f"{qwen_server[0]}/v1/models").json()["data"]
+    assert models[0]["input_modalities"] == ["text", "image"]
+    client = openai.OpenAI(base_url=f"{qwen_server[0]}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=models[0]["id"], messages=image_message(LANDSCAPE), max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert reply.model_extra["prompt_token_ids"] == golden["one_image.input_ids"].tolist()
+    assert reply.choices[0].model_extra["token_ids"] == golden["one_image.greedy"].tolist()
+    assert not qwen_server[1].engine.has_unfinished()

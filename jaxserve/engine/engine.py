@@ -9,8 +9,7 @@
    the output head chosen at start (`execution/heads/`; the draw head's: `scheduling/update.py`), the one
    place that advances requests. The host thus prepares step N+1 while the device runs step N; a result
    for a request that finished meanwhile is discarded.
-3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once the choice
-   is finished, the whole result.
+3. It returns a `RequestOutput` per choice that progressed: what is new in this step and, once finished, all.
 4. Step times feed the scheduler's step-time model (`timing`: `step_timing.py`, `scheduling/step_cost.py`):
    idle steps timed at warm-up, then each step the host waited for, from when the device could start it to
    its samples.
@@ -201,8 +200,9 @@ class Engine:
         """Queue a checked request as it is (thread-safe): its n choices come out as RequestOutputs with
         `index` 0..n-1 under this one id. Returns the id."""
         request_id = request_id or uuid.uuid4().hex
-        self._inbox.put(("add", self.tracker.new_choices(request.prompt_ids, request.params, request_id, prompt,
-                                                         request.priority, request.lora, request.images)))
+        self._inbox.put(("add", self.tracker.new_choices(
+            request.prompt_ids, request.params, request_id, prompt, request.priority, request.lora, request.images,
+            request.mrope)))
         return request_id
 
     def resolve_lora(self, lora_request: LoRARequest | None):

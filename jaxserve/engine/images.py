@@ -1,19 +1,23 @@
 """A vision model's images in the engine: what is built at start, and the check of a request's images.
 
-1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs (Gemma 3:
-   SigLIP and its projector, `model/siglip.py`) as its own fixed-shape program (`execution/vision.py`),
-   makes the encoder cache (`scheduling/encoder_cache.py`, `--mm-encoder-cache-gb`), sizes the step's encoder
-   budget (`--max-num-encoder-input-tokens`; default the rows of `IMAGES_PER_STEP` images, within the token
-   budget) and the encoder program's batch sizes from it, and hands out the two sides of it: the runner's
-   `EncoderRowsBuilder` (it encodes what a step needs and places the rows, `execution/image_rows.py`) and the
-   scheduler's `ImageScheduling` (references, budget, whole images: `scheduling/images.py`).
+1. `images_for(args, built)` loads the vision encoder of a checkpoint whose images the engine runs as its own
+   fixed-shape program: Gemma 3's SigLIP and projector (`model/siglip.py`, `execution/vision.py`: buckets of
+   images) or Qwen2.5-VL's ViT (`model/qwen_vit.py`, `execution/vision_patches.py`: buckets of patches, with
+   the M-RoPE side in `qwen_images.py`); makes the encoder cache (`scheduling/encoder_cache.py`,
+   `--mm-encoder-cache-gb`), sizes the step's encoder budget (`--max-num-encoder-input-tokens`; default the
+   rows of `IMAGES_PER_STEP` of the largest images, within the token budget) and hands out the two sides of
+   it: the runner's `EncoderRowsBuilder` (it encodes what a step needs and places the rows,
+   `execution/image_rows.py`) and the scheduler's `ImageScheduling` (references, budget, whole images:
+   `scheduling/images.py`).
 2. For any other model it gives `NoImages`, which refuses images by name: a text-only model, or a family
-   whose images are not run yet (Qwen2.5-VL's language model, with M-RoPE, is not served yet).
-3. Multi-host: process 0 (the leader, which schedules) alone loads the encoder, on a device of its own, and
-   relays each step's rows to the others (`execution/relay.py`); they only place what arrives.
-4. `attach(checked, images)` checks a request's images against the budget (an image must fit one step: its
-   tokens attend to each other, so they are computed together) and attaches them as the scheduler's
-   `ImageSpan`s, pixels included. Nothing is encoded before a step needs it.
+   whose images are not run (Qwen2-VL, whose ViT differs from 2.5's; a pooling runner; Qwen2.5-VL on a
+   multi-host mesh).
+3. Multi-host (Gemma 3): process 0 (the leader, which schedules) alone loads the encoder, on a device of its
+   own, and relays each step's rows to the others (`execution/relay.py`); they only place what arrives.
+4. `attach(checked, images)` checks a request's images and attaches them as the scheduler's `ImageSpan`s,
+   pixels included: Gemma 3's must each fit one step (its tokens attend to each other, so they are computed
+   together), Qwen's within the encoder's largest program, and a Qwen prompt gets its M-RoPE positions.
+   Nothing is encoded before a step needs it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from typing import Sequence
 
 import jax
 
-from jaxserve.config_families import GEMMA3_VISION_TYPES
+from jaxserve.config_families import GEMMA3_VISION_TYPES, QWEN_VL_TYPES
+from jaxserve.engine.qwen_images import MRoPEImages, encoder_buckets, max_image_tokens, patch_encoder
 from jaxserve.errors import ImagesNotServed, InvalidParameter
 from jaxserve.execution.image_rows import EncoderRowsBuilder
 from jaxserve.execution.vision import VisionEncoderProgram
@@ -33,10 +38,12 @@ from jaxserve.json_files import read_json_object
 from jaxserve.scheduling.encoder_cache import EncoderCache
 from jaxserve.scheduling.images import ImageScheduling, ImageSpan
 from jaxserve.scheduling.validation import CheckedRequest
+from jaxserve.vision_config import QwenVisionConfig
 
 logger = logging.getLogger(__name__)
 
 IMAGES_PER_STEP = 4  # the default encoder budget of one step, in images (of rows: images x tokens per image)
+SERVED_VISION_TYPES = GEMMA3_VISION_TYPES + ("qwen2_5_vl",)  # whose encoders run (Qwen2-VL's ViT is not built)
 
 
 def vision_model_type(model_dir: str | None) -> str | None:
@@ -70,6 +77,7 @@ class NoImages:
 class EngineImages:
     rows: EncoderRowsBuilder  # the runner's side
     scheduling: ImageScheduling  # the scheduler's side
+    mrope: MRoPEImages | None = None  # Qwen2.5-VL: images by patches, and each prompt's M-RoPE positions
     takes_images = True
 
     @property
@@ -84,18 +92,22 @@ class EngineImages:
         as `multimodal.prompt.PromptImage`); InvalidParameter naming the field of one that cannot be served."""
         spans = []
         for image in images:
-            if image.length > self.scheduling.rows_per_step:
+            if self.scheduling.whole_images and image.length > self.scheduling.rows_per_step:
                 raise InvalidParameter(image.field, f"{image.field}: the image takes {image.length} tokens, more than "
                                                     f"the {self.scheduling.rows_per_step} encoder rows one step "
                                                     f"places (raise max_num_batched_tokens)")
             if image.offset < 0 or image.offset + image.length > len(checked.prompt_ids):
                 raise InvalidParameter(image.field, f"{image.field}: the image's tokens lie outside the prompt")
-            spans.append(ImageSpan(image.offset, image.length, image.content_hash, image.pixel_values))
-        return dataclasses.replace(checked, images=tuple(spans)) if spans else checked
+            pixels = image.pixel_values if self.mrope is None else self.mrope.pixels(image)
+            spans.append(ImageSpan(image.offset, image.length, image.content_hash, pixels))
+        if not spans:
+            return checked
+        mrope = None if self.mrope is None else self.mrope.positions(checked.prompt_ids, images)
+        return dataclasses.replace(checked, images=tuple(spans), mrope=mrope)
 
 
 def _runs_images(args, built) -> bool:
-    return vision_model_type(args.model_dir) in GEMMA3_VISION_TYPES and built.runner == "generate"
+    return vision_model_type(args.model_dir) in SERVED_VISION_TYPES and built.runner == "generate"
 
 
 def _vision_config(args):
@@ -103,17 +115,19 @@ def _vision_config(args):
     return vision_config(read_json_object(Path(args.model_dir) / "config.json", required=True))
 
 
-def encoder_budget(args, step_tokens: int, tokens_per_image: int) -> int:
-    """Encoder rows one step places: --max-num-encoder-input-tokens, checked against one image (computed whole
-    in one step) and the step's token budget; by default `IMAGES_PER_STEP` images' within that budget (a budget
-    under one image's tokens then refuses images at request time, naming the flag to raise)."""
+def encoder_budget(args, step_tokens: int, tokens_per_image: int, whole_images: bool = True) -> int:
+    """Encoder rows one step places: --max-num-encoder-input-tokens, checked against one image where images are
+    computed whole in one step (Gemma 3) and against the step's token budget; by default `IMAGES_PER_STEP`
+    images' (the largest, `tokens_per_image`) within that budget (a budget under one image's tokens then
+    refuses such images at request time, naming the flag to raise)."""
     budget = args.max_num_encoder_input_tokens
     if budget is None:
         return min(step_tokens, IMAGES_PER_STEP * tokens_per_image)
-    if not tokens_per_image <= budget <= step_tokens:
-        raise ValueError(f"max_num_encoder_input_tokens {budget}: a step computes an image's {tokens_per_image} "
-                         f"tokens whole, so it must be between {tokens_per_image} and max_num_batched_tokens "
-                         f"({step_tokens})")
+    least = tokens_per_image if whole_images else 1
+    if not least <= budget <= step_tokens:
+        why = f"a step computes an image's {least} tokens whole, so " if whole_images else ""
+        raise ValueError(f"max_num_encoder_input_tokens {budget}: {why}it must be between {least} and "
+                         f"max_num_batched_tokens ({step_tokens})")
     return budget
 
 
@@ -123,14 +137,10 @@ def encoder_batch_sizes(images_per_step: int) -> tuple[int, ...]:
     return (*sizes, max(images_per_step, 1))
 
 
-def _budget(args, built, config) -> int:
-    return encoder_budget(args, built.scheduler_config.max_num_batched_tokens, config.mm_tokens_per_image)
-
-
-def _rows(built, rows_per_step: int, cache=None, encoder=None) -> EncoderRowsBuilder:
-    """The runner's side; Gemma 3's image tokens attend to each other (`spans`)."""
+def _rows(built, rows_per_step: int, cache=None, encoder=None, spans: bool = True) -> EncoderRowsBuilder:
+    """The runner's side; `spans`: an image's tokens attend to each other (Gemma 3; Qwen's are causal)."""
     return EncoderRowsBuilder(rows_per_step, built.model_config.hidden_size, built.dtype, built.model.plan.replicated,
-                              cache, encoder, spans=True)
+                              cache, encoder, spans=spans)
 
 
 def images_for(args, built) -> EngineImages | NoImages:
@@ -139,8 +149,10 @@ def images_for(args, built) -> EngineImages | NoImages:
     if not _runs_images(args, built):
         return NoImages(built.name, model_type)
     config = _vision_config(args)
-    budget = _budget(args, built, config)
-    cache = EncoderCache(int(args.mm_encoder_cache_gb * (1 << 30)))
+    if model_type in QWEN_VL_TYPES:
+        return _qwen_images(args, built, config, model_type)
+    budget = encoder_budget(args, built.scheduler_config.max_num_batched_tokens, config.mm_tokens_per_image)
+    cache = EncoderCache(_cache_bytes(args))
     if jax.process_index() == 0:
         rows = _rows(built, budget, cache, _encoder(args, built, config, budget))
         logger.info("vision encoder: %d tokens per image, at most %d encoder rows per step, one program for each "
@@ -155,27 +167,62 @@ def images_for(args, built) -> EngineImages | NoImages:
     return EngineImages(rows, ImageScheduling(cache, rows.rows_per_step, whole_images=True))
 
 
+def _cache_bytes(args) -> int:
+    return int(args.mm_encoder_cache_gb * (1 << 30))
+
+
+def _local_device(built):
+    """The first of the mesh's devices that this process drives (a multi-host mesh's first may be another's)."""
+    return next(d for d in built.model.plan.mesh.devices.flat if d.process_index == jax.process_index())
+
+
 def _encoder(args, built, config, budget: int) -> VisionEncoderProgram:
     from jaxserve.loader.encoders import load_vision_encoder
 
-    # The first of the mesh's devices that this process drives (a multi-host mesh's first may be another's).
-    device = next(d for d in built.model.plan.mesh.devices.flat if d.process_index == jax.process_index())
     return VisionEncoderProgram(load_vision_encoder(args.model_dir, built.dtype),
-                                (config.num_channels, config.image_size, config.image_size), built.dtype, device=device,
+                                (config.num_channels, config.image_size, config.image_size), built.dtype,
+                                device=_local_device(built),
                                 buckets=encoder_batch_sizes(budget // config.mm_tokens_per_image))
+
+
+def _qwen_images(args, built, config, model_type: str) -> EngineImages | NoImages:
+    """Qwen2.5-VL: the ViT by buckets of patches, causal image tokens (a chunk may cut through an image), and
+    each prompt's M-RoPE positions (`qwen_images.py`). One host only: the relay of its steps is not tested."""
+    if jax.process_count() > 1:
+        logger.warning("Qwen2.5-VL images are not served on a multi-host mesh: the vision encoder is not loaded")
+        return NoImages(built.name, model_type)
+    from jaxserve.loader.encoders import load_vision_encoder
+
+    encoder = load_vision_encoder(args.model_dir, built.dtype)
+    program = patch_encoder(args.model_dir, config, encoder, built.dtype, _local_device(built))
+    budget = encoder_budget(args, built.scheduler_config.max_num_batched_tokens, max_image_tokens(program),
+                            whole_images=False)
+    rows = _rows(built, budget, EncoderCache(_cache_bytes(args)), program, spans=False)
+    logger.info("vision encoder: images of up to %d patches (%d tokens), at most %d encoder rows per step, one "
+                "program for each of %s patches per call, whole on %s (not tensor-parallel; its rows go to the "
+                "step replicated); encoder cache: %.3g GiB of rows kept for images no request needs",
+                program.max_patches, max_image_tokens(program), rows.rows_per_step,
+                "/".join(map(str, program.buckets)), program.device, args.mm_encoder_cache_gb)
+    return EngineImages(rows, ImageScheduling(rows.cache, rows.rows_per_step, whole_images=False),
+                        MRoPEImages.for_model(args.model_dir, program))
 
 
 def abstract_rows(args, built) -> EncoderRowsBuilder | None:
     """The steps' image input as shapes only (`jaxserve plan`: no encoder, no cache); None: no images."""
     if not _runs_images(args, built):
         return None
-    return _rows(built, _budget(args, built, _vision_config(args)))
+    config = _vision_config(args)
+    step_tokens = built.scheduler_config.max_num_batched_tokens
+    if isinstance(config, QwenVisionConfig):
+        tokens = encoder_buckets(args.model_dir, config)[-1] // config.merge_unit
+        return _rows(built, encoder_budget(args, step_tokens, tokens, whole_images=False), spans=False)
+    return _rows(built, encoder_budget(args, step_tokens, config.mm_tokens_per_image))
 
 
 def images_refusal(model_name: str, model_type: str | None, field: str) -> str:
     """Why this engine takes no images for `model_name`."""
     if model_type is not None:
-        return (f"{field}: model `{model_name}` ({model_type}) takes images in its checkpoint, but jaxserve does not "
-                f"serve them for this family yet: images run on Gemma 3 checkpoints (Qwen2.5-VL's language model "
-                f"with its multimodal rotary positions is not served yet); send text only")
+        return (f"{field}: model `{model_name}` ({model_type}) takes images in its checkpoint, but this engine does "
+                f"not run its vision encoder: images run on Gemma 3 and Qwen2.5-VL checkpoints served by the "
+                f"generate runner on one host (Qwen2-VL's encoder is not built); send text only")
     return f"{field}: model `{model_name}` takes no images: it is a text-only model"

@@ -44,6 +44,9 @@ class StepBatch:
     cu_q_lens: jax.Array = packed("S+1")  # [S + 1] int32 first token row of each sequence; padding rows are empty
     kv_lens: jax.Array = per_seq()  # [S] int32 tokens in the cache per sequence after this step; 0 for padding
     page_tables: jax.Array = packed("S,P")  # [S, P] int32 page ids per sequence (null page beyond its length)
+    # [M, T] int32 M-RoPE's (time, row, column) position of each token (M = 3, `BatchLayout.mrope`); None
+    # (M = 0) for every other model: `positions` are its rotary positions
+    mrope_positions: jax.Array = packed("M,T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class BatchLayout:
     scratch_slot: int  # R: the sampler-state row padding rows use (max_num_seqs)
     max_drafts: int = 0  # K: draft tokens a sequence may verify in one step (speculative decoding)
     head: object = None  # the output head (`step_io.OutputHead`) whose fields follow StepBatch's; None: none
+    mrope: bool = False  # the model's rotary positions are multimodal (Qwen2-VL): the batch carries [3, T] of them
 
     @property
     def batch(self) -> type:
@@ -75,7 +79,7 @@ class BatchLayout:
     @functools.cached_property
     def packing(self) -> Packing:
         return Packing(self.batch, {"T": self.tokens, "S": self.seqs, "Q": self.rows, "P": self.max_pages,
-                                    "B": self.bias_entries, "R": self.scratch_slot})
+                                    "B": self.bias_entries, "R": self.scratch_slot, "M": 3 if self.mrope else 0})
 
     @functools.cached_property
     def sources(self) -> list:
@@ -144,6 +148,8 @@ class BatchBuilder:
         b.tokens[:total] = tokens
         b.kv_lens[:n] = starts + lens
         b.page_tables[:n] = self.tables[slots]
+        if b.mrope_positions is not None:
+            _fill_mrope_positions(b.mrope_positions, seqs, positions, seq_of, cu)
         for path, get in layout.sources:
             leaf_at(b, path)[:n] = [get(s) for s in seqs]
         if layout.head is not None:
@@ -179,6 +185,19 @@ class BatchBuilder:
         b.write_index[:] = NULL_PAGE * self.page_size + positions % self.page_size
         b.tokens[:] = 1
         b.kv_lens[:n] = lens
+        if b.mrope_positions is not None:
+            b.mrope_positions[:] = positions
         if layout.head is not None:
             layout.head.fill_warmup(b, n, draws, every_option)
         return ints, floats
+
+
+def _fill_mrope_positions(out: np.ndarray, seqs: list[ScheduledSeq], positions: np.ndarray, seq_of: np.ndarray,
+                          cu: np.ndarray) -> None:
+    """out [3, T]: each token's index + its request's delta on every axis, and the positions of its prompt's
+    image region from the request's table (`model/mrope.PromptPositions`; None: a prompt without images)."""
+    deltas = np.fromiter((0 if s.mrope is None else s.mrope.delta for s in seqs), np.int32, len(seqs))
+    out[:, :len(positions)] = positions + deltas[seq_of]
+    for k, seq in enumerate(seqs):
+        if seq.mrope is not None:
+            seq.mrope.fill(out[:, cu[k]:cu[k + 1]], seq.start)

@@ -85,8 +85,10 @@ class StepPrograms:
         plan = model.plan
         max_seqs = scheduler_config.max_num_seqs
         max_pages = pages_needed(scheduler_config.max_model_len, cache_config.page_size)
+        # M-RoPE's positions where images are served: a text-only prompt's (all three axes equal) are 1-D RoPE's.
+        mrope = image_rows is not None and model_config.mrope_section is not None
         layouts = {b: BatchLayout(b, scheduler_config.seqs_for(b), max_pages, sampler_config.max_logit_bias,
-                                  max_seqs, max_drafts, head) for b in scheduler_config.token_buckets}
+                                  max_seqs, max_drafts, head, mrope) for b in scheduler_config.token_buckets}
         plain = ({b: dataclasses.replace(layout, max_drafts=0) for b, layout in layouts.items()}
                  if max_drafts and plain_programs else {})
         kv = abstract_kv_cache(model_config, cache_config, plan, dtype, layers_folded=model.layer_repeats > 1)

@@ -8,7 +8,8 @@ jitted once per (token bucket, logits flag).
    still on the device from the previous step's samples, runs every layer over the flat tokens (pipeline
    stages pass microbatches of them along, `sharding/pipeline.py`), writes K/V at their slots and attends
    through the backend's ragged paged attention (a vision model's image rows replace their tokens'
-   embeddings first, `image_rows.py`, and its image tokens may see their whole image), then hands the
+   embeddings first, `image_rows.py`, and its image tokens may see their whole image; Qwen2-VL's rotary
+   positions are three per token, `batch.mrope_positions`), then hands the
    hidden states after the final norm to the output head the layout names (`heads/`: the draw head samples and verifies drafts; a serving mode that
    produces something else brings its own head, and nothing here changes).
 """
@@ -101,6 +102,8 @@ def _step_local(params, state: StepState, inputs: StepInputs, *, graphdef, atten
     size = num_tokens // m
     split = lambda a: a.reshape(m, size)
     micro_tokens, positions, write_index = split(tokens), split(batch.positions), split(batch.write_index)
+    if batch.mrope_positions is not None:  # M-RoPE (Qwen2-VL): each microbatch's [3, size] rotary positions
+        positions = batch.mrope_positions.reshape(3, m, size).transpose(1, 0, 2)
     lora_slots = split(batch.lora_slot)
     images = inputs.images
     if images is not None:

@@ -53,7 +53,8 @@ def expert_tensor_names(path: tuple, num_experts: int) -> list[str] | None:
 # Where a multimodal checkpoint keeps its language model (transformers 5, then 4): served under these
 # names, while the vision tower and projector are skipped by name, never loaded.
 LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
-SKIPPED_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+SKIPPED_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+                    "visual.", "model.visual.")
 
 
 def language_model_names(stored: list[str]) -> dict[str, str]:
@@ -203,8 +204,8 @@ class SafetensorsReader(RegionReader):
         self.own_layout = own_layout
         self.files = safetensors_files(self.model_dir) if files is None else files
         self.aliases = {} if own_layout else language_model_names(list(self.files))
-        if self.aliases:
-            skipped = sum(1 for name in self.files if name.startswith(SKIPPED_PREFIXES))
+        skipped = 0 if own_layout else sum(1 for name in self.files if name.startswith(SKIPPED_PREFIXES))
+        if skipped:  # a multimodal checkpoint (Qwen-VL's hub files name the language model as a text model's)
             logger.info("%s: serving the language model; %d vision tensors skipped", self.model_dir, skipped)
         self._open: dict[Path, SafetensorsFile] = {}
         self._opening = threading.Lock()  # loader threads ask for tensors of the same file at once

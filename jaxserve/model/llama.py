@@ -1,7 +1,8 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) as one Flax NNX decoder.
 
 The variants differ only in switches carried by `ModelConfig`: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), explicit head_dim, sliding window (Mistral), rope scaling (Llama 3.1), tied embeddings.
+(Qwen3), explicit head_dim, sliding window (Mistral), rope scaling (Llama 3.1), tied embeddings, and
+multimodal rotary positions (Qwen2-VL / Qwen2.5-VL's language model: `rope` takes [3, N] positions).
 
 One forward call processes a flat set of N tokens — a prefill chunk of one sequence or one token per
 decode slot — and is told where their K/V go and how to attend:
@@ -28,6 +29,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.lora.delta import LayerLoRA, LoRAInputs, delta, project
 from jaxserve.model.kv_cache import KVCache, QuantizedPages, write_kv
 from jaxserve.model import layer_loop, parallel, split_k
+from jaxserve.model.mrope import mrope_cos_sin
 from jaxserve.model.parallel import Axis
 from jaxserve.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jaxserve.model.split_k import DecodeEpilogues
@@ -178,7 +180,10 @@ class LlamaForCausalLM(nnx.Module):
         return parallel.embed(self.embed_tokens, tokens, tp_axis)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[N] positions, or [3, N] multimodal ones (a model with `mrope_section`, Qwen2-VL) -> cos, sin."""
         # Host-side numpy at trace time: the frequencies become a constant of the compiled step.
+        if positions.ndim == 2:
+            return mrope_cos_sin(positions, inverse_frequencies(self.config), self.config.mrope_section)
         return rope_cos_sin(positions, inverse_frequencies(self.config))
 
     def run_layers(self, x, cos, sin, kv_cache: KVCache, write_index, attend: AttendFn,

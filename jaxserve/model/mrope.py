@@ -5,8 +5,11 @@
    start from the position after the text before it and spread over the grid: time = start + frame,
    row = start + grid row, column = start + grid column; the text after the image continues at
    start + max(grid_h, grid_w) / m. So positions run behind token indices by a fixed `delta` after the
-   last image (negative when images are large): a token at sequence index i >= len(prompt) sits at
-   i + delta on every axis, which is all decoding needs (`text_positions`).
+   last image (negative when images are large): a token at sequence index i past the last image sits at
+   i + delta on every axis, which is all decoding needs (`text_positions`). `PromptPositions` keeps a
+   request's table up to its last image and its delta; the batch builder fills each step's [3, T]
+   positions from it (`fill`), so a chunk, a recomputation after preemption or a prefix-cache hit gets its
+   positions from the request, never from the cache.
 2. `mrope_cos_sin` (device, inside the step): the rotary angles of each frequency come from one axis,
    chosen by `mrope_section` (e.g. [16, 24, 24] of head_dim / 2 = 64 frequencies: the first 16 from time,
    the next 24 from rows, the last 24 from columns), giving the [N, head_dim / 2] cos and sin that
@@ -15,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -49,6 +53,27 @@ def mrope_positions(token_ids: Sequence[int], image_token_id: int, grids: Sequen
     positions = np.concatenate(pieces, axis=1).astype(np.int32)
     delta = int(positions.max(initial=-1)) + 1 - len(ids)
     return positions, delta
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptPositions:
+    """A prompt's M-RoPE positions as a step needs them: the table up to the end of its last image; every
+    later token (the rest of the prompt, then the output) at its index + `delta` on all three axes."""
+    table: np.ndarray  # [3, E] int32: positions of tokens 0 .. E - 1 (E: the last image's end)
+    delta: int
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], image_token_id: int, grids: Sequence[tuple[int, int, int]],
+           spatial_merge_size: int, image_end: int) -> PromptPositions:
+        """`image_end`: the index after the prompt's last image token (the table's length)."""
+        positions, delta = mrope_positions(token_ids, image_token_id, grids, spatial_merge_size)
+        return cls(np.ascontiguousarray(positions[:, :image_end]), delta)
+
+    def fill(self, out: np.ndarray, start: int) -> None:
+        """Overwrite out [3, n] (already index + delta) with the table's positions of tokens start.. ."""
+        end = min(self.table.shape[1], start + out.shape[1])
+        if start < end:
+            out[:, :end - start] = self.table[:, start:end]
 
 
 def text_positions(start: int, count: int, delta: int) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Images -> the encoder's inputs and the prompt's placeholder tokens, as each checkpoint's processor does it.
 
-1. `image_processor(model_dir)` reads the checkpoint's processor files (`preprocessor_config.json`, or
-   the `image_processor` part of `processor_config.json`; `processor_config.json`, `tokenizer_config.json`
-   and `config.json` for the token strings and ids) into its family's processor.
+1. `image_processor(model_dir)` reads the checkpoint's processor files (`processor_config.py`:
+   `preprocessor_config.json`, or the `image_processor` part of `processor_config.json`;
+   `processor_config.json`, `tokenizer_config.json` and `config.json` for the token strings and ids) into
+   its family's processor.
 2. `preprocess(image)` turns one decoded image into a `ProcessedImage`: the pixels as the vision encoder
    takes them and how many placeholder tokens its embeddings fill (`image_ops.py` does the pixel steps).
    - Gemma 3: resized to the tower's fixed size (bilinear), rescaled, normalized: [3, S, S];
@@ -33,8 +34,8 @@ from PIL import Image
 
 from jaxserve.config_families import GEMMA3_VISION_TYPES, QWEN_VL_TYPES
 from jaxserve.errors import InvalidParameter
-from jaxserve.json_files import read_json_object
 from jaxserve.multimodal.image_ops import Normalization, rescale_normalize, resize, to_rgb
+from jaxserve.multimodal.processor_config import processor_files, qwen_pixel_limits
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -47,16 +48,6 @@ class ProcessedImage:
     pixel_values: np.ndarray  # float32: Gemma 3 [3, S, S]; Qwen [grid_t * grid_h * grid_w, C * T * P * P]
     num_tokens: int  # placeholder tokens in the prompt = rows of the encoder's output
     grid_thw: tuple[int, int, int] | None = None  # Qwen: the patch grid (temporal, height, width)
-
-
-def processor_files(model_dir: str | Path) -> tuple[dict, dict, dict, dict]:
-    """(config.json, image processor settings, processor_config.json, tokenizer_config.json) of a checkpoint;
-    transformers 5 may keep the image processor's settings inside processor_config.json."""
-    model_dir = Path(model_dir)
-    config = read_json_object(model_dir / "config.json", required=True)
-    processor = read_json_object(model_dir / "processor_config.json")
-    images = read_json_object(model_dir / "preprocessor_config.json") or dict(processor.get("image_processor") or {})
-    return config, images, processor, read_json_object(model_dir / "tokenizer_config.json")
 
 
 def _token(tokenizer_cfg: dict, key: str, default: str) -> str:
@@ -188,14 +179,13 @@ def image_processor(model_dir: str | Path) -> Gemma3ImageProcessor | QwenVLImage
             tokens_per_image=int(processor.get("image_seq_length") or config.get("mm_tokens_per_image") or 256),
             boi_token=boi, eoi_token=_token(tokenizer_cfg, "eoi_token", "<end_of_image>"))
     if model_type in QWEN_VL_TYPES:
-        size = images.get("size") or {}
+        min_pixels, max_pixels = qwen_pixel_limits(images)
         image_token = _token(tokenizer_cfg, "image_token", "<|image_pad|>")
         return QwenVLImageProcessor(
             placeholder=image_token, image_token=image_token,
             image_token_id=int(config.get("image_token_id", 151_655)),
             norm=Normalization.from_config(images, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
-            min_pixels=int(images.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
-            max_pixels=int(images.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280),
+            min_pixels=min_pixels, max_pixels=max_pixels,
             patch_size=int(images.get("patch_size", 14)), temporal_patch_size=int(images.get("temporal_patch_size", 2)),
             merge_size=int(images.get("merge_size", 2)), resample=int(images.get("resample", 3)))
     raise ValueError(f"{model_dir}: model_type {model_type!r} takes no images "

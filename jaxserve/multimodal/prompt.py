@@ -10,7 +10,7 @@
    expands the rendered prompt's placeholders to the images' token runs, tokenizes it and finds each run:
    per image its pixels, grid, content hash and token span (`placeholder_ranges`).
 5. The engine takes the prompt's token ids and its images (`Engine.check_request`): it runs the vision
-   encoder where it serves the family's images (Gemma 3) and refuses them by name elsewhere.
+   encoder where it serves the family's images (Gemma 3, Qwen2.5-VL) and refuses them by name elsewhere.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ class Request:
     grammar: GrammarState | None = None  # structured outputs: its place in the grammar
     lora: object | None = None  # its LoRA adapter (`jaxserve.lora.manager.ActiveLoRA`); None: the base model
     images: tuple = ()  # its prompt's images (`scheduling/images.ImageSpan`), in prompt order
+    mrope: object = None  # its prompt's M-RoPE positions (`model/mrope.PromptPositions`); None: 1-D (index)
     # -- scheduling: the scheduler alone writes these ---------------------------------------------------
     slot: int | None = None
     lora_slot: int = 0  # the device slot of its adapter while admitted; 0: none

@@ -239,6 +239,7 @@ class Scheduler:
                             num_prompt_tokens=request.num_prompt_tokens, params=params,
                             seed_words=request.seed_words, bias=request.bias, suppress_ids=suppress,
                             prompt_targets=prompt_targets, lora_slot=request.lora_slot, images=images,
+                            mrope=request.mrope,
                             head_setting=request.head_state.setting if request.head_state is not None else 0)
 
     @staticmethod

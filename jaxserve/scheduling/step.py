@@ -54,6 +54,7 @@ class ScheduledSeq:
     head_setting: int = 0  # the output head's per-sequence input (`HeadState.setting`), for a head that has one
     lora_slot: int = 0  # the device slot of its LoRA adapter; 0: the base model alone
     images: tuple = ()  # the image tokens in its span (`scheduling/images.ImageChunk`): encoder rows to place
+    mrope: object = None  # its request's M-RoPE positions (`model/mrope.PromptPositions`, shared); None: index
 
     @property
     def samples(self) -> bool:

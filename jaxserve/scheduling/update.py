@@ -55,7 +55,8 @@ class RequestTracker:
         return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def new_choices(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                    prompt: str | None, priority: int = 0, lora=None, images: tuple = ()) -> list[Request]:
+                    prompt: str | None, priority: int = 0, lora=None, images: tuple = (),
+                    mrope=None) -> list[Request]:
         """The request's n choices, each drawing with its own seed (seed, seed + 1, ...: reproducible and
         distinct). Touches no engine state: callable from any thread."""
         max_len = self.max_model_len
@@ -75,7 +76,7 @@ class RequestTracker:
                 grammar = GrammarState(self.grammars.matcher(p.structured_outputs), self.grammars, self.eos_ids)
             choices.append(Request(request_id, prompt_ids, p, seed=(seed + j) % 2**64, max_len=max_len, index=j,
                                    prompt=prompt, suppress_ids=self.suppressed_ids(params), output=output,
-                                   grammar=grammar, priority=priority, lora=lora, images=images))
+                                   grammar=grammar, priority=priority, lora=lora, images=images, mrope=mrope))
         choices[0].forks = choices[1:]
         return choices
 

@@ -24,6 +24,7 @@ class CheckedRequest:
     priority: int = 0
     lora: object | None = None  # `jaxserve.lora.manager.ActiveLoRA`; None: the base model
     images: tuple = ()  # its prompt's images (`scheduling/images.ImageSpan`), for a vision model's engine
+    mrope: object = None  # its prompt's M-RoPE positions (`model/mrope.PromptPositions`), for Qwen-VL's engine
 
 
 def validate_prompt(prompt_ids: Sequence[int], model: ModelConfig, scheduler: SchedulerConfig,

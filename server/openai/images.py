@@ -2,7 +2,7 @@
 
 1. `template_messages` (server/openai/prompts.py) has found the image parts; `check` refuses too many
    images (--limit-mm-per-prompt) and images for a text-only model before anything is fetched, and so does
-   an engine that runs no vision encoder for the model (Qwen2.5-VL's language model is not served yet).
+   an engine that runs no vision encoder for the model (Qwen2-VL; a multi-host mesh; a pooling runner).
 2. On worker threads (fetching and decoding block): each image is loaded under the server's media policy
    (--allowed-local-media-path, --allowed-media-domains, the fetch timeout and byte limit; a refused
    scheme, path or address, a timeout, an oversized or undecodable image, a decompression bomb), the chat
