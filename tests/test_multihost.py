@@ -154,7 +154,8 @@ def test_two_processes_serve_images_as_one(tmp_path):
     relay included)."""
     import numpy as np
 
-    from tests.test_vlm_engine import GOLDEN, log_softmax
+    from tests.test_vlm_engine import GOLDEN
+    from tests.vlm_golden import log_softmax
 
     port = free_port()
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
