@@ -34,10 +34,11 @@ CHUNK = 256  # tokens per step: the engines' largest token bucket
 
 def engine_kwargs(max_model_len: int, samples: bool = True) -> dict:
     """The float engine samples the texts too (decode steps of up to 4 rows); the quantized ones only score,
-    in steps of up to CHUNK tokens, so they compile that one program (logits do not depend on the bucket
-    set: a step's rows are computed alike in every bucket that holds them)."""
+    in steps of up to CHUNK tokens (logits do not depend on the bucket set: a step's rows are computed alike
+    in every bucket that holds them). None warms up: scoring runs the Workbench's own program (every row's
+    logits), so each engine compiles what its steps use, when they first run."""
     return dict(max_num_seqs=4, max_model_len=max_model_len, max_num_batched_tokens=CHUNK,
-                token_buckets=(4, CHUNK) if samples else (CHUNK,), enable_prefix_caching=False)
+                token_buckets=(4, CHUNK) if samples else (CHUNK,), enable_prefix_caching=False, warmup=False)
 
 
 def position_scores(bench, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -63,6 +63,18 @@ def make_runner(case: str, backend: str = "auto", parallel: ParallelConfig = Par
                        select_attention_backend(backend), jnp.float32)
 
 
+_SHARED: dict[str, ModelRunner] = {}
+
+
+def shared_runner(case: str) -> ModelRunner:
+    """`make_runner(case)`, built once per process: the case's alone, mixed and prefix-hit tests all run on it,
+    so its model is loaded and its step traced once rather than three times. Sharing is safe because each
+    test writes every page position it reads before reading it, as a run on a fresh runner does."""
+    if case not in _SHARED:
+        _SHARED[case] = make_runner(case)
+    return _SHARED[case]
+
+
 def check_parity(runner: ModelRunner, golden, mixed: bool) -> None:
     """Prefill 32 + 16 tokens, then decode, comparing the target sequence's logits with the golden ones."""
     ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
@@ -130,7 +142,7 @@ def check_logprobs(ref_logits, token: int, logprob, rank, top_ids, top_logprobs,
 @pytest.mark.parametrize("mixed", [False, True], ids=["alone", "mixed"])
 @pytest.mark.parametrize("case", CASES)
 def test_step_matches_transformers(case, mixed):
-    check_parity(make_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
+    check_parity(shared_runner(case), np.load(FIXTURES / case / "golden.npz"), mixed)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
@@ -159,7 +171,7 @@ def test_prefix_hit_then_64_greedy_tokens_match_transformers(case):
     """A sequence that finds the first 32 prompt tokens cached by another (a prefix-cache hit: its page
     table starts with the other's pages) prefills the other 16, then decodes 64 greedy tokens, far past
     every sliding window: logits within 1e-4 wherever a golden exists, tokens equal to `generate`'s."""
-    runner, golden = make_runner(case), np.load(FIXTURES / case / "golden.npz")
+    runner, golden = shared_runner(case), np.load(FIXTURES / case / "golden.npz")
     ids, prompt_len, ref_logits = golden["input_ids"].tolist(), int(golden["prompt_len"]), golden["logits"]
     per_seq = pages_needed(MAX_LEN, PAGE_SIZE)
     free = PageAllocator(64).allocate(2 * per_seq + 1)[::-1]

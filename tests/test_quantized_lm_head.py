@@ -5,7 +5,8 @@ with the linear layers (issue 27).
    same model whose float head is replaced by its dequantized codes (1e-4), and not those of the float
    head: the head's codes are what runs, nothing else changed. Its parameters are int8 codes [hidden,
    vocab] and per-vocabulary-row scales, the precision line says so and counts the smaller bytes, nothing
-   compiles after warm-up.
+   compiles after warm-up. The engines that only give logits to compare (here and below) skip warm-up
+   (`LLM(warmup=False)`): the one program they run is the Workbench's, the served step with every row's logits.
 2. The CPU's default strategy (dynamic int8) runs the head too, adding little to the layers' error.
 3. Where there is no head of its own to quantize, or nothing else is quantized at load, it is refused.
 4. The embedding the same way: codes [vocab, hidden] and one scale per token row give the logits of the
@@ -51,21 +52,23 @@ def prompt_logits(llm: LLM) -> np.ndarray:
     return bench.step([(bench.new_sequence(len(ids)), ids)]).logits[0]
 
 
-def three_engines(tmp_path: Path, id_tokenizer, flag: str, name: str) -> tuple[LLM, LLM, LLM]:
+def three_engines(tmp_path: Path, id_tokenizer, flag: str, name: str, warmup: bool) -> tuple[LLM, LLM, LLM]:
     """int8 weight-only engines on the untied fixture: with `flag` (the tensor `name` [vocab, hidden]
-    quantized, one scale per vocabulary row), without it, and without it over a copy whose `name` is the
-    dequantized codes."""
+    quantized, one scale per vocabulary row; warmed up as `warmup` says), without it, and without it over a
+    copy whose `name` is the dequantized codes (these two only give logits: no warm-up)."""
     weight_only = dict(quantization="int8", quantization_strategy="weight_only", tokenizer=str(id_tokenizer),
                        **ENGINE)
     table = load_file(UNTIED / "model.safetensors")[name]
     # One scale per vocabulary row: the per-column scales of the transposed table.
     dequantized = np.asarray(dequantize_weight(quantize_weight(table.T.astype(np.float32), "int8"))).T
-    return (LLM(str(UNTIED), **{flag: True}, **weight_only), LLM(str(UNTIED), **weight_only),
-            LLM(str(with_head(tmp_path, dequantized, name)), **weight_only))
+    return (LLM(str(UNTIED), **{flag: True}, warmup=warmup, **weight_only),
+            LLM(str(UNTIED), warmup=False, **weight_only),
+            LLM(str(with_head(tmp_path, dequantized, name)), warmup=False, **weight_only))
 
 
 def test_the_quantized_head_runs_its_codes(tmp_path, id_tokenizer):
-    quantized, float_head, reference = three_engines(tmp_path, id_tokenizer, "quantize_lm_head", "lm_head.weight")
+    quantized, float_head, reference = three_engines(tmp_path, id_tokenizer, "quantize_lm_head", "lm_head.weight",
+                                                     warmup=True)  # it serves below: nothing compiles then
 
     params = quantized.engine.runner.params["lm_head"]
     assert params["codes"][...].dtype == np.int8 and params["codes"][...].shape == (64, 256)
@@ -88,11 +91,11 @@ def test_the_default_cpu_strategy_runs_the_head_in_int8(id_tokenizer):
     """Dynamic int8 quantizes the head's input rows too: its error against transformers' float logits stays
     within a tenth of what the quantized layers alone cost (measured: RMS 0.0470 against 0.0454)."""
     dynamic = dict(quantization="int8", tokenizer=str(id_tokenizer), **ENGINE)
-    with_head = LLM(str(UNTIED), quantize_lm_head=True, **dynamic)
+    with_head = LLM(str(UNTIED), quantize_lm_head=True, warmup=False, **dynamic)
     assert with_head.engine.model_config.linear_quantization.strategy == "dynamic_int8"
     golden = np.load(UNTIED / "golden.npz")["logits"]
     head_error = prompt_logits(with_head) - golden
-    layers_error = prompt_logits(LLM(str(UNTIED), **dynamic)) - golden
+    layers_error = prompt_logits(LLM(str(UNTIED), warmup=False, **dynamic)) - golden
     assert np.sqrt((head_error ** 2).mean()) <= 1.1 * np.sqrt((layers_error ** 2).mean())
     assert np.abs(head_error).max() <= 1.1 * np.abs(layers_error).max()
 
@@ -123,7 +126,7 @@ def test_refused_for_a_pre_quantized_checkpoint(flag, tmp_path):
 
 def test_the_quantized_embedding_looks_up_its_codes(tmp_path, id_tokenizer):
     quantized, float_table, reference = three_engines(tmp_path, id_tokenizer, "quantize_embedding",
-                                                      "model.embed_tokens.weight")
+                                                      "model.embed_tokens.weight", warmup=False)
 
     params = quantized.engine.runner.params["embed_tokens"]
     assert params["codes"][...].dtype == np.int8 and params["codes"][...].shape == (256, 64)
@@ -135,12 +138,13 @@ def test_the_quantized_embedding_looks_up_its_codes(tmp_path, id_tokenizer):
     got = prompt_logits(quantized)
     np.testing.assert_allclose(got, prompt_logits(reference), atol=1e-4)
     assert np.abs(got - prompt_logits(float_table)).max() > 1e-4
-    assert quantized.engine.compilations_since_warmup <= 1
+    assert quantized.engine.compilations_since_warmup <= 1  # never warmed up: the Workbench's step is all it compiled
 
     # Converted once (`jaxserve convert --quantization int8 --quantize-embedding`), served as stored.
     from jaxserve.loader.convert import convert
     converted = convert(UNTIED, tmp_path / "converted", format="mapped", quantization="int8", quantize_embedding=True)
-    stored = LLM(str(converted), tokenizer=str(id_tokenizer), quantization_strategy="weight_only", **ENGINE)
+    stored = LLM(str(converted), tokenizer=str(id_tokenizer), quantization_strategy="weight_only", warmup=False,
+                 **ENGINE)
     assert "linear layers and token embedding int8" in stored.engine.precision.describe()
     np.testing.assert_array_equal(prompt_logits(stored), got)
 
@@ -155,7 +159,7 @@ result = {}
 for tp in (1, 2):
     llm = LLM(sys.argv[2], tokenizer=sys.argv[3], quantization="int8", quantization_strategy="weight_only",
               quantize_embedding=True, quantize_lm_head=True, tensor_parallel_size=tp, max_num_seqs=1,
-              max_model_len=128, token_buckets=(64,))
+              max_model_len=128, token_buckets=(64,), warmup=False)
     bench = Workbench(llm)
     result[tp] = {"logits": bench.step([(bench.new_sequence(len(ids)), ids)]).logits[0].tolist(),
                   "codes": str(llm.engine.runner.params["embed_tokens"]["codes"][...].sharding.spec)}

@@ -16,6 +16,8 @@
 4. Two fake devices: tensor parallelism (codes and scales sharded by the rules, the story kept, from the
    Hugging Face checkpoint and from an int8 Orbax conversion), two pipeline stages (the same tokens), and
    int4 group scales split with their rows (golden logits kept).
+The engines that only give logits through `Workbench.step` skip warm-up (`LLM(warmup=False)`): the one program
+they run is the Workbench's, the served step with every row's logits (and the one a step may compile).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def test_converted_pre_quantized_fixture_matches_its_golden_logits(name, fmt, tm
 def _check_golden(model_dir: Path, name, key, strategy, max_tol, rms_tol):
     golden = np.load(FIXTURES / name / "golden.npz")
     ids = golden["input_ids"].tolist()
-    llm = LLM(str(model_dir), max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    llm = LLM(str(model_dir), max_num_seqs=1, max_model_len=128, token_buckets=(64,), warmup=False)
     spec = llm.engine.model_config.linear_quantization
     assert spec is not None and spec.strategy == strategy
     precision = llm.engine.precision
@@ -106,7 +108,7 @@ def _check_golden(model_dir: Path, name, key, strategy, max_tol, rms_tol):
     else:  # the dequantized model's greedy tokens, every one
         prompt = int(golden["prompt_len"])
         assert logits[prompt - 1:-1].argmax(-1).tolist() == ids[prompt:]
-    assert llm.engine.compilations_since_warmup <= 1  # the one step with every row's logits
+    assert llm.engine.compilations_since_warmup <= 1  # the one step with every row's logits, all it compiled
 
 
 def test_dtype_warnings_say_what_differs_from_what_was_asked():
@@ -225,7 +227,7 @@ def test_fp8_checkpoint_is_re_quantized_to_int8_when_asked(tmp_path):
     from jaxserve.quantization import QuantizedWeight, dequantize_weight
     from jaxserve.quantization.checkpoints import detect_checkpoint_quantization
     model = served_copy("ct_fp8", tmp_path)
-    llm = LLM(str(model), quantization="int8", max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    llm = LLM(str(model), quantization="int8", max_num_seqs=1, max_model_len=128, token_buckets=(64,), warmup=False)
     spec = llm.engine.model_config.linear_quantization
     assert (spec.codes, spec.strategy) == ("int8", "dynamic_int8") and "re-quantized to int8" in spec.source
     assert "re-quantized to int8" in llm.engine.precision.describe()
@@ -327,7 +329,7 @@ from jaxserve.entrypoints.research import Workbench
 result = {}
 for model, golden in zip(sys.argv[1::2], sys.argv[2::2]):
     golden = np.load(golden)
-    llm = LLM(model, tensor_parallel_size=2, max_num_seqs=1, max_model_len=128, token_buckets=(64,))
+    llm = LLM(model, tensor_parallel_size=2, max_num_seqs=1, max_model_len=128, token_buckets=(64,), warmup=False)
     down = nnx.to_pure_dict(llm.engine.runner.params)["layers"][0]["mlp"]["down_proj"]
     bench = Workbench(llm)
     logits = bench.step([(bench.new_sequence(64), golden["input_ids"].tolist())]).logits[0]

@@ -158,8 +158,8 @@ class Engine:
 
     @property
     def compilations_since_warmup(self) -> int:
-        at_warmup = self.compilations_at_warmup
-        return 0 if at_warmup is None else self.compile_events.lowered - at_warmup
+        """Programs steps compiled after warm-up (every one, for an engine never warmed up: LLM(warmup=False))."""
+        return self.compile_events.lowered - (self.compilations_at_warmup or 0)
 
     def call(self, work: Callable[[], T], on_follower: T = None) -> T:
         """Run one call of this engine's caller (an `LLM.generate`). In a multi-host run the other processes

@@ -31,7 +31,7 @@ from jaxserve.sampling.params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, warmup: bool = True, **engine_kwargs):
         """`model`: a Hugging Face model directory or an Orbax checkpoint from `jaxserve convert` (None:
         the built-in stories260K; "demo-random": a small model with random weights). Other keyword
         arguments are `EngineArgs` fields: dtype, max_num_seqs, max_model_len, page_size, num_pages,
@@ -45,9 +45,13 @@ class LLM:
         scheduling_policy, target_itl_ms, long_prefill_token_threshold, max_num_partial_prefills,
         waiting_served_ratio, runner
         ("auto", "generate" or "pooling": embeddings with `embed`), pooler_config, enable_lora, max_loras,
-        max_lora_rank, max_cpu_loras, lora_modules, speculative_config (vLLM's dict, docs/speculative.md)."""
+        max_lora_rank, max_cpu_loras, lora_modules, speculative_config (vLLM's dict, docs/speculative.md).
+        `warmup`: compile every step program now, as a server does before it is ready (the default); False
+        compiles each when a step first needs it. A workbench that only steps the model by hand (`Workbench`:
+        `step`, `score`) runs programs of its own, with every row's logits, and none of the engine's."""
         self.engine = Engine(EngineArgs(model=model, **engine_kwargs))
-        self.engine.warmup()
+        if warmup:
+            self.engine.warmup()
         self._defaults = sampling_defaults(self.engine.args.model_dir)
         self._image_inputs = None  # read when a request first carries images (PIL is imported then)
 

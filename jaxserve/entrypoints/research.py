@@ -96,7 +96,9 @@ class Workbench:
 
     @classmethod
     def load(cls, model: str | None = None, **engine_kwargs) -> "Workbench":
-        """A workbench over `LLM(model, **engine_kwargs)` (None: the built-in stories260K)."""
+        """A workbench over `LLM(model, **engine_kwargs)` (None: the built-in stories260K). With `warmup=False`
+        the engine's step programs are not compiled at start: `step` and `score` run one of their own (every
+        row's logits), compiled at the first step of each size, and `llm.generate` compiles what it uses."""
         return cls(LLM(model, **engine_kwargs))
 
     def new_sequence(self, max_tokens: int) -> Sequence:
