@@ -263,3 +263,29 @@ def test_a_draft_models_own_program_is_part_of_a_drafting_steps_cost():
     for _ in range(4):
         cost.observe(13.5e-3, False, 1, 1)
     assert DraftingPayoff(cost).before_reading(1, expected).outcome == "unprofitable"
+
+
+def test_drafting_is_priced_on_the_idle_steps_timed_at_warm_up():
+    """The step-time model learnt online can give a small bucket's whole time to its KV term (one sequence
+    whose steps slow as its context grows: the 124.7M model on CPU had its plain one-token step priced 0 ms
+    on the device). Weighed against a verify step's device time, a residual measured from that basis priced
+    drafting at nearly twice its cost, so drafts that paid 1.6x were left out. The idle steps of both programs,
+    timed at warm-up, are one basis: the same periods then price drafting at what it costs."""
+    online = StepCostModel((1, 8))
+    for kv in range(100, 400, 10):
+        online.observe(1, kv, kv * 1e-4)
+    assert online.base_seconds(1) == pytest.approx(0.0, abs=1e-9)
+    expected = [[0.5, 0.3, 0.2]]  # one token more a step, in all
+    outcomes = {}
+    for idle in (False, True):
+        cost = DraftingCost(online, step_cost_model({8: 34e-3}))
+        if idle:
+            cost.timed_idle(1, False, 20e-3)
+            cost.timed_idle(8, True, 34e-3)
+        for _ in range(4):
+            cost.observe(28e-3, False, 1, 1)  # plain steps: 20 ms idle, 8 ms of KV read and host work
+        cost.planned(1e-3, 1)
+        assert cost.plain_seconds(1) == pytest.approx(28e-3)
+        outcomes[idle] = DraftingPayoff(cost).before_reading(1, expected).outcome
+    assert cost.drafting_seconds(1, 3) == pytest.approx(34e-3 + 8e-3 + 1e-3)  # 2 tokens in 43 ms against 1 in 28
+    assert outcomes == {False: "unprofitable", True: "drafting"}

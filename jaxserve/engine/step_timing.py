@@ -67,8 +67,12 @@ class StepTiming:
                 if seconds < SHORT_STEP_SECONDS:
                     seconds = min(seconds, self.runner.time_idle_step(bucket))
                 cost.observe(bucket, 0, seconds)
-                if self.speculator is not None and bucket > 1:  # a step verifying drafts draws more rows
-                    self.speculator.verify_cost.observe(bucket, 0, self._time_verify_step(bucket))
+                if self.speculator is not None:
+                    self.speculator.cost.timed_idle(bucket, False, seconds)
+                    if bucket > 1:  # a step verifying drafts draws more rows
+                        verify = self._time_verify_step(bucket)
+                        self.speculator.verify_cost.observe(bucket, 0, verify)
+                        self.speculator.cost.timed_idle(bucket, True, verify)
                 self.timed_buckets.add(bucket)
         if self.due:
             return  # the log line comes with the last bucket

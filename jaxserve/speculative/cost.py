@@ -19,6 +19,13 @@ drafting's payoff (`payoff.py`).
    hundreds, and the model's KV term, fitted across buckets, is too loose to price a difference with.
    Plain steps at a width are measured again every `REFRESH_PERIODS` (a few plain steps, while drafting
    pays), so their cost follows the machine.
+   The device part is the bucket's idle step as timed at warm-up (the plain program and the verifying one,
+   in the same minutes) where it was timed: the step-time models learnt online fit a KV term that can take
+   a small bucket's whole time (the 124.7M model at one sequence on CPU: a plain step priced 0 ms on the
+   device, its whole time left in the residual, against 34 ms for a verifying one), and a residual measured
+   against one basis weighed against a device time from the other priced drafting at twice its cost. Idle
+   times from one calibration share one basis; the residuals take the KV read and the machine's drift. A
+   run without calibration (multi-host) prices from the online models.
 2. Predictions: a plain step of w sequences, device(w tokens) + the overlapped residual; a drafting step
    with n drafts, device(w + n tokens) + the draft model's drafting program + the read-first residual. The
    read-first residual starts from a prior that counts as one period: the overlapped residual plus the
@@ -49,7 +56,7 @@ def width_class(running: int) -> int:
     return 1 << (running.bit_length() - 1)
 
 
-class _Average:
+class Average:
     """A running mean of the first periods (a prior, when given, counting as one), then an exponential
     average; measured again after REFRESH_PERIODS, it starts a running mean again from its old value."""
     __slots__ = ("value", "count", "weight", "at")
@@ -73,8 +80,9 @@ class DraftingCost:
         self.step_cost = step_cost  # plain steps' device time per bucket
         self.verify_cost = verify_cost  # steps verifying drafts (their program's draft rows run)
         self.program_seconds = program_seconds
-        self._residual: dict[tuple[bool, int], _Average] = {}  # (read first?, width class) -> seconds
-        self._planning: dict[int, _Average] = {}  # width class -> host seconds from a step's start to launch
+        self._idle: dict[tuple[int, bool], float] = {}  # (bucket, verifies?) -> its idle step, timed at warm-up
+        self._residual: dict[tuple[bool, int], Average] = {}  # (read first?, width class) -> seconds
+        self._planning: dict[int, Average] = {}  # width class -> host seconds from a step's start to launch
         self._last_kind: bool | None = None
         self.periods = 0  # periods seen
 
@@ -82,12 +90,18 @@ class DraftingCost:
     def calibrated(self) -> bool:
         return self.step_cost.calibrated
 
+    def timed_idle(self, bucket: int, verifies: bool, seconds: float) -> None:
+        """The idle step of `bucket`'s program (`verifies`: the one verifying drafts) took `seconds`."""
+        self._idle[bucket, verifies] = seconds
+
     def device_seconds(self, tokens: int, verifies: bool, drafting_program: bool) -> float:
         """A step of `tokens` tokens (its bucket's program), verifying drafts or not, and the proposer's
         program after it (drafting or only following), on the device."""
         bucket = self.step_cost.bucket_for(tokens)
-        verify = self.verify_cost.base_seconds(bucket) if verifies and self.verify_cost is not None else None
-        seconds = verify or self.step_cost.base_seconds(bucket) or 0.0
+        seconds = self._idle.get((bucket, verifies))
+        if seconds is None:
+            verify = self.verify_cost.base_seconds(bucket) if verifies and self.verify_cost is not None else None
+            seconds = verify or self.step_cost.base_seconds(bucket) or 0.0
         if self.program_seconds is not None:
             seconds += self.program_seconds(bucket, drafting_program)
         return seconds
@@ -106,7 +120,7 @@ class DraftingCost:
         average = self._residual.get(key)
         if average is None:
             prior = self._read_first_prior(running) if read_first else None
-            average = self._residual[key] = _Average(prior)
+            average = self._residual[key] = Average(prior)
         if average.weight:
             seconds = min(seconds, CLIP * max(device + average.value, 1e-6))
         average.add(seconds - device, self.periods)
@@ -116,7 +130,7 @@ class DraftingCost:
         width = width_class(running)
         average = self._planning.get(width)
         if average is None:
-            average = self._planning[width] = _Average()
+            average = self._planning[width] = Average()
         average.add(seconds, self.periods)
 
     def idle(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Sequence
 
@@ -31,18 +32,24 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.scheduling.request import Request
 from jaxserve.scheduling.step_cost import StepCostModel
 from jaxserve.speculative.acceptance import Acceptance
-from jaxserve.speculative.cost import DraftingCost, width_class
+from jaxserve.speculative.cost import Average, DraftingCost, width_class
 from jaxserve.speculative.payoff import OFF, Decision, DraftingPayoff
 from jaxserve.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 LOG_INTERVAL_SECONDS = 10.0
-# While drafting is off (adaptive), the decision is made again every this many steps, and the proposer's
-# guesses of who would draft are made only for those steps: an engine that does not draft should cost
-# what one without speculation costs, and on a small model the host's work per step is the step. (Backing
-# the interval off while decisions keep finding drafting off was tried: new requests then waited up to 64
-# steps for their first guess, and a workload that retells its prompts stopped drafting.)
-RECHECK_STEPS = 8
+# While drafting is off (adaptive), the decision is made again only every few steps, and the proposer's
+# guesses of who would draft only for those steps: that host work is what an engine that does not draft
+# pays over one without speculation, and on a small model the host's work per step is the step. The
+# interval is priced: a decision's measured host time is at most GUESS_SHARE of the plain steps' time
+# between decisions, within 1..MAX_RECHECK_STEPS. So on the 124.7M model on CPU (20+ ms steps) every step
+# decides, and a request whose text starts to repeat drafts at its next step (at a fixed 8 steps a third of
+# its drafting steps were lost, 1.29x against 1.56x when every draft found was verified); on stories260K
+# (0.5-4 ms steps) a few steps apart. (Backing the interval off while decisions kept finding drafting off
+# was tried: new requests then waited up to 64 steps for their first guess.)
+GUESS_SHARE = 0.01
+MAX_RECHECK_STEPS = 16
+PLANNING_SAMPLE_STEPS = 8  # the host's planning time of an overlapped step is sampled every this many steps
 DRAFT_ALL = Decision(True, "drafting")  # without adaptive drafting: every draft found is verified
 
 
@@ -70,6 +77,8 @@ class Speculator:
         self._decides_early = getattr(proposer, "decides_early", False)
         self._planned = OFF["no_drafts"]  # this step's decision (or, deciding early, the next step's)
         self._recheck_at = 0  # the proposal count from which the decision is made again while off
+        self._guess_seconds = Average()  # host seconds of a decision: the proposer's guesses and the pricing
+        self._prepared_seconds = 0.0  # the guesses' share of it, made by the last prepare()
         self._width = 0  # the width class of the batch when it was made
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
@@ -89,14 +98,24 @@ class Speculator:
                 and exact_per_position(r)]
 
     def _plan(self, running: Sequence[Request], hopeful: set[int] | None) -> Decision:
-        """The decision for the next step: made again every step while it drafts, every RECHECK_STEPS
-        steps while it does not (or when the width class changes)."""
+        """The decision for the next step: made again every step while it drafts, every few steps while it
+        does not (`_recheck_interval`), and when the width class changes."""
         width = width_class(len(running)) if running else 0
         if self._guessing or width != self._width:
+            start = time.perf_counter()
             self._planned = self._decide(running, hopeful)
+            self._guess_seconds.add(self._prepared_seconds + time.perf_counter() - start, self.proposals)
+            self._prepared_seconds = 0.0
             self._width = width
-            self._recheck_at = self.proposals + RECHECK_STEPS
+            self._recheck_at = self.proposals + self._recheck_interval(len(running))
         return self._planned
+
+    def _recheck_interval(self, running: int) -> int:
+        """Steps until the next decision while off: its host time at most GUESS_SHARE of theirs."""
+        if self.payoff is None or not running or not self.cost.measured(running):
+            return 1
+        steps = self._guess_seconds.value / (GUESS_SHARE * self.cost.plain_seconds(running))
+        return min(max(math.ceil(steps), 1), MAX_RECHECK_STEPS)
 
     @property
     def _guessing(self) -> bool:
@@ -216,7 +235,9 @@ class Speculator:
             candidates = self.candidates(running)
             self.proposer.prepare(candidates)
             self._hopeful = {r.key for r in candidates if self.proposer.expects_drafts(r)}
-        self.prepare_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self._prepared_seconds = seconds
+        self.prepare_seconds += seconds
 
     def record_step(self, running: int, read_first: bool) -> None:
         """After each engine step (`running`: the sequences it served; `read_first`: whether it read the
@@ -227,7 +248,7 @@ class Speculator:
             self._period_start = None
             self.cost.idle()
             return
-        if not read_first and self._in_flight is not None and self.proposals % RECHECK_STEPS == 0:
+        if not read_first and self._in_flight is not None and self.proposals % PLANNING_SAMPLE_STEPS == 0:
             self.cost.planned(self._launched_at - self._step_started, running)  # a sample now and then will do
         if self._period_start is not None and reading is not None:
             period = now - self._period_start
