@@ -144,7 +144,7 @@ def test_positions_come_from_the_request_in_every_span():
 def test_patch_buckets_and_an_image_past_the_largest_is_refused_by_its_field():
     assert patch_buckets(16, 160, 4) == (40, 160)  # the fixture: min_pixels 3136, max_pixels 31360
     assert patch_buckets(16, 5120, 4) == (20, 80, 320, 1280, 5120)  # Qwen's processor defaults
-    images = MRoPEImages(image_token_id=5, spatial_merge_size=2, max_patches=160)
+    images = MRoPEImages(image_token_id=5, spatial_merge_size=2, max_patches=160, patch_size=14)
     big = type("Image", (), {"pixel_values": np.zeros((164, 1176), np.float32), "grid_thw": (1, 2, 82),
                              "field": "messages.0.content.1.image_url.url"})()
     with pytest.raises(InvalidParameter, match="164 patches .* more than the 160") as refused:

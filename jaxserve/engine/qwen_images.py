@@ -23,7 +23,7 @@ from jaxserve.errors import InvalidParameter
 from jaxserve.execution.vision_patches import PatchedImage, PatchEncoderProgram, patch_buckets
 from jaxserve.json_files import read_json_object
 from jaxserve.model.mrope import PromptPositions
-from jaxserve.multimodal.processor_config import processor_files, qwen_pixel_limits
+from jaxserve.multimodal.processor_config import processor_files, qwen_image_token_id, qwen_pixel_limits
 from jaxserve.vision_config import QwenVisionConfig
 
 logger = logging.getLogger(__name__)
@@ -67,19 +67,22 @@ class MRoPEImages:
     image_token_id: int
     spatial_merge_size: int
     max_patches: int  # the encoder's largest bucket
+    patch_size: int  # pixels on a patch's side
 
     @classmethod
     def for_model(cls, model_dir: str, program: PatchEncoderProgram) -> MRoPEImages:
         cfg = read_json_object(f"{model_dir}/config.json", required=True)
-        return cls(int(cfg.get("image_token_id", 151_655)), program.config.spatial_merge_size, program.max_patches)
+        return cls(qwen_image_token_id(cfg), program.config.spatial_merge_size, program.max_patches,
+                   program.config.patch_size)
 
     def pixels(self, image) -> PatchedImage:
         """`image` (a `multimodal.prompt.PromptImage`) as the encoder takes it; InvalidParameter naming its field
         when it has more patches than the encoder's largest program."""
         patches = len(image.pixel_values)
         if patches > self.max_patches:
-            raise InvalidParameter(image.field, f"{image.field}: the image has {patches} patches of 14 x 14 pixels "
-                                                f"after resizing, more than the {self.max_patches} the vision "
+            side = self.patch_size
+            raise InvalidParameter(image.field, f"{image.field}: the image has {patches} patches of {side} x {side} "
+                                                f"pixels after resizing, more than the {self.max_patches} the vision "
                                                 f"encoder takes in one call (send a smaller image)")
         return PatchedImage(image.pixel_values, tuple(image.grid_thw))
 

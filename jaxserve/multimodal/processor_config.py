@@ -5,7 +5,8 @@ request side's processors (`processors.py`) and the engine's sizing of its encod
    or the `image_processor` part of `processor_config.json` as transformers 5 saves it), processor_config.json
    and tokenizer_config.json.
 2. `qwen_pixel_limits(settings)` is Qwen-VL's (min_pixels, max_pixels): every image is resized to lie
-   between them, so they bound the patches the vision encoder ever takes.
+   between them, so they bound the patches the vision encoder ever takes. `qwen_image_token_id(config)` is
+   the token its image placeholders expand to, which the M-RoPE positions look for too.
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ def qwen_pixel_limits(images: dict) -> tuple[int, int]:
     size = images.get("size") or {}
     return (int(images.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
             int(images.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280))
+
+
+def qwen_image_token_id(config: dict) -> int:
+    """The id of Qwen-VL's image token (`<|image_pad|>`) from a checkpoint's config.json (transformers' default)."""
+    return int(config.get("image_token_id", 151_655))

@@ -35,7 +35,7 @@ from PIL import Image
 from jaxserve.config_families import GEMMA3_VISION_TYPES, QWEN_VL_TYPES
 from jaxserve.errors import InvalidParameter
 from jaxserve.multimodal.image_ops import Normalization, rescale_normalize, resize, to_rgb
-from jaxserve.multimodal.processor_config import processor_files, qwen_pixel_limits
+from jaxserve.multimodal.processor_config import processor_files, qwen_image_token_id, qwen_pixel_limits
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -183,7 +183,7 @@ def image_processor(model_dir: str | Path) -> Gemma3ImageProcessor | QwenVLImage
         image_token = _token(tokenizer_cfg, "image_token", "<|image_pad|>")
         return QwenVLImageProcessor(
             placeholder=image_token, image_token=image_token,
-            image_token_id=int(config.get("image_token_id", 151_655)),
+            image_token_id=qwen_image_token_id(config),
             norm=Normalization.from_config(images, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD),
             min_pixels=min_pixels, max_pixels=max_pixels,
             patch_size=int(images.get("patch_size", 14)), temporal_patch_size=int(images.get("temporal_patch_size", 2)),
