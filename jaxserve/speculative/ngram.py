@@ -1,76 +1,95 @@
 """Prompt-lookup drafting: the tokens that followed the latest earlier occurrence of the sequence's tail.
 
-1. Per request an index maps every n-gram of its tokens (n from prompt_lookup_min to prompt_lookup_max)
-   that has a token after it to the position after its latest occurrence. It grows with the tokens the
-   request accepts; `prepare` indexes them while the device runs a step (a new request's prompt, most of
-   all), so `propose` on the critical path looks at the last step's few tokens only.
-2. `propose` tries the longest n first: the sequence's last n tokens, looked up, give the position their
-   earlier occurrence continued at, and the K tokens from there are the drafts. A copy that reaches the
-   end of the sequence goes on with the tokens it has just copied (a loop continues as a loop).
+1. Per request the proposer keeps its tokens as bytes, 4 per token id (`_Tokens`), extended with the
+   tokens it accepts; `prepare` appends them while the device runs a step (a new request's prompt, most
+   of all), so `propose` on the critical path converts the last step's few tokens only.
+2. `propose` tries the longest n first: the sequence's last n tokens, searched for backwards in the bytes
+   before its newest token (`bytearray.rfind`, a C loop), give their latest earlier occurrence, and the K
+   tokens after it are the drafts. A copy that reaches the end of the sequence goes on with the tokens it
+   has just copied (a loop continues as a loop).
+A search in C over the whole sequence costs about what one dict lookup does in Python up to a few thousand
+tokens, and nothing per token as they arrive: an index of every n-gram (a tuple and a dict entry per token
+and size) was the proposer's main host cost, paid on every token of every request, drafting or not.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 from jaxserve.scheduling.request import Request
 
+TOKEN_BYTES = array("i").itemsize  # token ids as C ints: 4 bytes on every platform JAX runs on
 
-class _Index:
-    __slots__ = ("after", "indexed")
 
-    def __init__(self, sizes: range):
-        self.after: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
-        self.indexed = 0  # n-grams ending before this position are in the index
+class _Tokens:
+    """A request's known tokens as bytes, for searching."""
+    __slots__ = ("data", "count")
+
+    def __init__(self):
+        self.data = bytearray()
+        self.count = 0  # tokens in `data`
 
     def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams that end at positions indexed .. len - 2 (each has a token after it)."""
-        end = len(tokens) - 1
-        for n, table in self.after.items():
-            for stop in range(max(self.indexed, n - 1), end):
-                table[tuple(tokens[stop - n + 1:stop + 1])] = stop + 1
-        self.indexed = max(self.indexed, end)
+        if len(tokens) > self.count:
+            self.data += array("i", tokens[self.count:]).tobytes()
+            self.count = len(tokens)
+
+    def latest_before(self, pattern: bytes, end: int) -> int:
+        """The token position of the latest occurrence of `pattern` that ends by token `end`, or -1.
+        A byte match that does not start on a token's first byte is skipped."""
+        stop = end * TOKEN_BYTES
+        while True:
+            found = self.data.rfind(pattern, 0, stop)
+            if found < 0 or found % TOKEN_BYTES == 0:
+                return found // TOKEN_BYTES if found >= 0 else -1
+            stop = found + len(pattern) - 1  # earlier occurrences only
 
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.num_speculative_tokens = num_speculative_tokens
         self.sizes = range(prompt_lookup_min, prompt_lookup_max + 1)
-        self._indexes: dict[int, _Index] = {}
+        self._tokens: dict[int, _Tokens] = {}
 
-    def _index(self, request: Request) -> _Index:
-        index = self._indexes.get(request.key)
-        if index is None:
-            index = self._indexes[request.key] = _Index(self.sizes)
-        index.extend(request.token_ids)
-        return index
+    def _known(self, request: Request) -> _Tokens:
+        known = self._tokens.get(request.key)
+        if known is None:
+            known = self._tokens[request.key] = _Tokens()
+        known.extend(request.token_ids)
+        return known
 
     def observe(self, launched, draft: bool) -> None:
         pass  # drafts come from the host's tokens alone
 
     def prepare(self, requests: Sequence[Request]) -> None:
         for request in requests:
-            self._index(request)
+            self._known(request)
 
     def propose(self, requests: Sequence[Request]) -> list[list[int]]:
-        return [self.lookup(request.token_ids, self._index(request)) for request in requests]
+        return [self.lookup(request.token_ids, self._known(request)) for request in requests]
 
     def expects_drafts(self, request: Request) -> bool:
-        index = self._indexes.get(request.key)
-        return index is not None and bool(self.lookup(request.token_ids, index))
+        return bool(self.lookup(request.token_ids, self._known(request)))
 
-    def lookup(self, tokens: list[int], index: _Index) -> list[int]:
+    def lookup(self, tokens: list[int], known: _Tokens) -> list[int]:
+        last = len(tokens) - 1  # an occurrence must have a token after it: it ends before the newest
+
+        def latest(n: int) -> int:
+            return known.latest_before(known.data[(len(tokens) - n) * TOKEN_BYTES:], last)
+
+        shortest = self.sizes[0]
+        if shortest > last or (found := latest(shortest)) < 0:
+            return []  # no longer tail occurs either: one search where most steps find nothing
         for n in reversed(self.sizes):
-            if n > len(tokens):
-                continue
-            start = index.after[n].get(tuple(tokens[-n:]))
-            if start is not None:
-                return _copy_from(tokens, start, self.num_speculative_tokens)
+            start = found if n == shortest else latest(n) if n <= last else -1
+            if start >= 0:
+                return _copy_from(tokens, start + n, self.num_speculative_tokens)
         return []
 
     def forget(self, keys: Sequence[int]) -> None:
         for key in keys:
-            self._indexes.pop(key, None)
+            self._tokens.pop(key, None)
 
 
 def _copy_from(tokens: list[int], start: int, count: int) -> list[int]:
