@@ -4,6 +4,7 @@ lays out for drafts, and the on-device verification over hand-made logits."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +58,45 @@ def test_ngram_drafts_what_followed_the_longest_earlier_match():
     r.token_ids.append(9)  # the 1-gram "9" was followed by 1
     assert proposer.propose([r]) == [[1, 6, 7]]
     proposer.forget([r.key])
-    assert not proposer._indexes
+    assert not proposer._tokens
 
 
 def test_ngram_copy_continues_a_loop_past_the_end():
     proposer = NgramProposer(5, 2, 2)
     assert proposer.propose([request([1, 2, 1, 2])]) == [[1, 2, 1, 2, 1]]
+
+
+def latest_match_drafts(tokens: list[int], sizes: range, k: int) -> list[int]:
+    """Prompt lookup by brute force: the longest tail n in `sizes` that occurred before, at its latest
+    occurrence with a token after it; k tokens from there, a copy past the end continuing as a loop."""
+    for n in reversed(sizes):
+        for start in range(len(tokens) - 1 - n, -1, -1):
+            if n < len(tokens) and tokens[start:start + n] == tokens[-n:]:
+                out = tokens[start + n:start + n + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(tokens) - start - n)])
+                return out
+    return []
+
+
+def test_ngram_search_drafts_what_a_brute_force_search_does():
+    """Token ids whose bytes contain the tail's bytes at another alignment (ids above 2**24) must not
+    match; small vocabularies repeat n-grams often, large ones rarely."""
+    rng = random.Random(0)
+    for _ in range(800):
+        vocab = rng.choice([2, 5, 300, 2**24 + 7, 2**31 - 1])
+        phrase = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        tokens = [rng.choice(phrase) if rng.random() < 0.7 else rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        proposer = NgramProposer(4, rng.randrange(1, 3), rng.randrange(3, 6))
+        r = request(tokens[:len(tokens) // 2 or 1])
+        proposer.prepare([r])  # known in two parts, as a prompt and then its new tokens
+        r.token_ids = tokens
+        want = latest_match_drafts(tokens, proposer.sizes, 4)
+        assert proposer.propose([r]) == [want] and proposer.expects_drafts(r) == bool(want)
+    # The tail's bytes (01 02 03 04, little-endian) also span the middle of x and y, later than its own
+    # earlier occurrence: that match starts inside a token and is not one.
+    tail, x, y = 0x04030201, 0x02011110, 0x21200403
+    assert NgramProposer(2, 1, 1).propose([request([tail, 7, x, y, 9, tail])]) == [[7, x]]
 
 
 def running_request(tokens, **params) -> Request:
@@ -234,3 +268,38 @@ def test_each_sequence_verifies_the_drafts_its_acceptance_pays_for():
     assert speculator.outcomes["drafting"] == 12
     good_gains, bad_gains = speculator.acceptance.gains(good.key), speculator.acceptance.gains(bad.key)
     assert good_gains[1] > 0.8 and bad_gains[0] < good_gains[0] - 0.3
+
+
+
+class CountingSpeculator(Speculator):
+    """The speculator, counting its decisions (each weighs every sequence's expected drafts)."""
+    decisions = 0
+
+    def _decide(self, running, hopeful):
+        self.decisions += 1
+        return super()._decide(running, hopeful)
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+def test_a_full_batch_jittering_by_one_sequence_is_not_decided_again_each_step(jitter):
+    """16 sequences whose text never repeats (nothing to draft), one of which is missing on every other step
+    as a finished one's slot waits to be refilled: 15 running falls in the width class below 16's, and the
+    decision must not be made again on each such step."""
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=2, prompt_lookup_max=2)
+    speculator = CountingSpeculator(config, NgramProposer(2, 2, 2),
+                                    step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.2e-3, 32: 2e-3}))
+    full = [running_request(range(100 * s, 100 * s + 20)) for s in range(16)]
+    launched = dataclasses.make_dataclass("Launched", ["step"])(
+        dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])(16, False))
+    for step in range(200):
+        running = full[:15] if jitter and step % 2 else full
+        speculator.wants_draws_first(running)
+        speculator.propose(running, read_first=False)
+        speculator.observe(launched, running)
+        speculator.prepare(running)
+        speculator.record_step(len(running), read_first=False)
+        for r in running:
+            r.token_ids.append(r.token_ids[-1] + 1)  # never an earlier n-gram
+            r.num_computed += 1
+    assert speculator.outcomes["no_drafts"] + speculator.outcomes["measuring"] == 200
+    assert speculator.decisions < 200 // 4  # every step while unmeasured, then at the priced interval
