@@ -31,6 +31,7 @@ from flax import nnx
 from jaxserve import Engine, EngineArgs, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.engine.builder import build_from_module
+from jaxserve.entrypoints.args import parse_token_buckets
 from jaxserve.text.tokenizer import Tokenizer
 from jaxserve.model.registry import random_model
 
@@ -49,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-buckets", default=None,
+                   help="comma-separated step sizes to compile (default: the engine's, powers of 2 up to the budget)")
     return p.parse_args(argv)
 
 
@@ -60,7 +63,8 @@ def build_engine(a: argparse.Namespace) -> Engine:
                          max_position_embeddings=max_model_len, tie_word_embeddings=True,
                          bos_token_id=1, eos_token_id=2)
     args = EngineArgs(max_num_seqs=2, max_model_len=max_model_len, page_size=a.page_size,
-                      max_num_batched_tokens=a.max_num_batched_tokens)
+                      max_num_batched_tokens=a.max_num_batched_tokens,
+                      token_buckets=parse_token_buckets(a.token_buckets) if a.token_buckets else None)
     model = random_model(config, jnp.float32, a.seed)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     print(f"model: random Llama, {n_params / 1e6:.1f}M parameters (hidden {a.hidden}, {a.layers} layers, "
