@@ -44,7 +44,8 @@ def test_gpu_kernels_script_dry_runs_on_cpu_with_the_end_to_end_section(capsys, 
     argv = ["--interpret", "--batch", "2", "--context", "64", "--chunk", "32", "--mixed-decodes", "2",
             "--mixed-chunk", "16", "--page-sizes", "16", "--block-tokens", "16", "--prefill-blocks", "8x16",
             "--long-context", "96", "--long-kv-splits", "1", "4", "--decode-num-stages", "3", "--decode-num-warps",
-            "--e2e-tiny", "--e2e-profile-batches", "2", "--e2e-profile-steps", "2"]
+            "--e2e-tiny", "--e2e-profile-batches", "2", "--e2e-profile-steps", "2",
+            "--e2e-prefill", "2"]  # the decode rows' bucket: one step program (TINY_SESSION's note below)
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
     table = out[out.index("\nchecks:"):]
@@ -183,10 +184,14 @@ def run_gpu_session(tmp_path, **env) -> tuple[str, str]:
 
 # The session script's engine parts at tiny sizes in interpret mode (later flags win over each part's own):
 # Llama's and Qwen3-30B-A3B's shapes shrunk alike, so moe8's 128 experts are 16 wide (and dense8a is e2e8's
-# model). One layer, one decode row of one sequence (profiled), the fewest steps.
+# model). One layer, one decode row of one sequence (profiled), the fewest steps, and a 2-token prefill row:
+# the token budget is then the decode rows' bucket (2 on CPU for bfloat16), so each engine compiles one step
+# program, not two (an interpret-mode kernel's program compiles for seconds; bucket choice is the engine's
+# tests' subject).
 TINY_SESSION = ("--interpret --e2e-tiny --e2e-hidden 64 --e2e-heads 4 --e2e-kv-heads 2 --e2e-vocab 512 "
                 "--e2e-intermediate 128 --e2e-moe-intermediate 16 --e2e-experts-per-token 2 --e2e-layers 1 "
-                "--e2e-decode-batches 1 --e2e-repeats 1 --e2e-steps 2 --e2e-warmup-steps 1 --e2e-profile-batches 1")
+                "--e2e-decode-batches 1 --e2e-repeats 1 --e2e-steps 2 --e2e-warmup-steps 1 --e2e-profile-batches 1 "
+                "--e2e-prefill 2")
 ENGINE_PARTS = ["e2e8", "int8x", "int8p", "spec8", "moe8", "dense8a"]  # the script's default parts, qmm last
 
 
