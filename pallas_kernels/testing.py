@@ -94,9 +94,11 @@ def random_paged_case(rng: np.random.Generator, tokens: list[int], *, num_kv_hea
     return PagedCase(k_pages, v_pages, page_tables, dense_k, dense_v)
 
 
+@functools.partial(jax.jit, static_argnames="kv_dtype")
 def quantize_pages(k_pages, v_pages, kv_dtype: str) -> tuple[tuple, dict]:
     """Float pages -> ((k codes, v codes), {"k_scales", "v_scales"}) in the `kv_quant` format, every token of
-    every page (garbage included) quantized as the write side would have."""
+    every page (garbage included) quantized as the write side would have. Jitted: called eagerly, each of its
+    operations compiled on its own for every new page shape (a second a case in the kernel sweeps)."""
     dtype = KV_CACHE_DTYPES[kv_dtype]
     (k, k_scales), (v, v_scales) = quantize_kv_tokens(k_pages, dtype), quantize_kv_tokens(v_pages, dtype)
     return (k, v), {"k_scales": lane_dense_scales(k_scales), "v_scales": lane_dense_scales(v_scales)}
