@@ -45,10 +45,11 @@ LOG_INTERVAL_SECONDS = 10.0
 # between decisions, within 1..MAX_RECHECK_STEPS. So on the 124.7M model on CPU (20+ ms steps) every step
 # decides, and a request whose text starts to repeat drafts at its next step (at a fixed 8 steps a third of
 # its drafting steps were lost, 1.29x against 1.56x when every draft found was verified); on stories260K
-# (0.5-4 ms steps) a few steps apart. (Backing the interval off while decisions kept finding drafting off
-# was tried: new requests then waited up to 64 steps for their first guess.)
-GUESS_SHARE = 0.01
-MAX_RECHECK_STEPS = 16
+# (0.5-4 ms steps) 5 to 32 steps apart. (Backing the interval off while decisions kept finding drafting off
+# was tried: new requests then waited up to 64 steps for their first guess.) At 1% and 16 steps, with probes
+# at 1%, stories260K at 4 streams served 0.90x speculation off while drafting on 1% of its steps.
+GUESS_SHARE = 0.005
+MAX_RECHECK_STEPS = 32
 PLANNING_SAMPLE_STEPS = 8  # the host's planning time of an overlapped step is sampled every this many steps
 DRAFT_ALL = Decision(True, "drafting")  # without adaptive drafting: every draft found is verified
 
