@@ -70,8 +70,8 @@ def latest_match_drafts(tokens: list[int], sizes: range, k: int) -> list[int]:
     """Prompt lookup by brute force: the longest tail n in `sizes` that occurred before, at its latest
     occurrence with a token after it; k tokens from there, a copy past the end continuing as a loop."""
     for n in reversed(sizes):
-        for start in range(len(tokens) - 1 - n, -1, -1):
-            if n < len(tokens) and tokens[start:start + n] == tokens[-n:]:
+        for start in range(len(tokens) - 1 - n, -1, -1):  # none where n >= len(tokens)
+            if tokens[start:start + n] == tokens[-n:]:
                 out = tokens[start + n:start + n + k]
                 while len(out) < k:
                     out.append(out[len(out) - (len(tokens) - start - n)])
@@ -268,7 +268,6 @@ def test_each_sequence_verifies_the_drafts_its_acceptance_pays_for():
     assert speculator.outcomes["drafting"] == 12
     good_gains, bad_gains = speculator.acceptance.gains(good.key), speculator.acceptance.gains(bad.key)
     assert good_gains[1] > 0.8 and bad_gains[0] < good_gains[0] - 0.3
-
 
 
 class CountingSpeculator(Speculator):

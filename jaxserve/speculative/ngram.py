@@ -3,9 +3,10 @@
 1. Per request the proposer keeps its tokens as bytes, 4 per token id (`_Tokens`), extended with the
    tokens it accepts; `prepare` appends them while the device runs a step (a new request's prompt, most
    of all), so `propose` on the critical path converts the last step's few tokens only.
-2. `propose` tries the longest n first: the sequence's last n tokens, searched for backwards in the bytes
-   before its newest token (`bytearray.rfind`, a C loop), give their latest earlier occurrence, and the K
-   tokens after it are the drafts. A copy that reaches the end of the sequence goes on with the tokens it
+2. `propose` takes the longest n whose tail occurred before: the sequence's last n tokens, searched for
+   backwards in the bytes before its newest token (`bytearray.rfind`, a C loop), give their latest earlier
+   occurrence, and the K tokens after it are the drafts. The shortest tail is searched first: where it never
+   occurred no longer one did, and most steps find nothing. A copy that reaches the end of the sequence goes on with the tokens it
    has just copied (a loop continues as a loop).
 A search in C over the whole sequence costs about what one dict lookup does in Python up to a few thousand
 tokens, and nothing per token as they arrive: an index of every n-gram (a tuple and a dict entry per token
@@ -24,16 +25,15 @@ TOKEN_BYTES = array("i").itemsize  # token ids as C ints: 4 bytes on every platf
 
 class _Tokens:
     """A request's known tokens as bytes, for searching."""
-    __slots__ = ("data", "count")
+    __slots__ = ("data",)
 
     def __init__(self):
         self.data = bytearray()
-        self.count = 0  # tokens in `data`
 
     def extend(self, tokens: list[int]) -> None:
-        if len(tokens) > self.count:
-            self.data += array("i", tokens[self.count:]).tobytes()
-            self.count = len(tokens)
+        known = len(self.data) // TOKEN_BYTES
+        if len(tokens) > known:
+            self.data += array("i", tokens[known:]).tobytes()
 
     def latest_before(self, pattern: bytes, end: int) -> int:
         """The token position of the latest occurrence of `pattern` that ends by token `end`, or -1.
@@ -79,13 +79,12 @@ class NgramProposer:
             return known.latest_before(known.data[(len(tokens) - n) * TOKEN_BYTES:], last)
 
         shortest = self.sizes[0]
-        if shortest > last or (found := latest(shortest)) < 0:
+        if shortest > last or (start := latest(shortest)) < 0:
             return []  # no longer tail occurs either: one search where most steps find nothing
-        for n in reversed(self.sizes):
-            start = found if n == shortest else latest(n) if n <= last else -1
-            if start >= 0:
-                return _copy_from(tokens, start + n, self.num_speculative_tokens)
-        return []
+        for n in reversed(self.sizes[1:]):
+            if n <= last and (longer := latest(n)) >= 0:
+                return _copy_from(tokens, longer + n, self.num_speculative_tokens)
+        return _copy_from(tokens, start + shortest, self.num_speculative_tokens)
 
     def forget(self, keys: Sequence[int]) -> None:
         for key in keys:

@@ -114,7 +114,7 @@ class Speculator:
     def _width_moved(self, width: int) -> bool:
         """Whether the width class is more than one class from the one decided at. A full batch jitters
         by one class: a finished sequence leaves 15 of 16 running until the scheduler refills its slot, so
-        on stories260K at 16 streams the width crossed 8|16 on a fifth of the steps, and a decision there
+        on stories260K at 16 streams the width crossed 8|16 on two steps in five, and a decision there
         each time (the proposer's guesses for every sequence, 0.2-0.5 ms on a 3 ms step) cost more than
         drafting could save. Within one class the decision stands until its recheck."""
         decided = self._width
