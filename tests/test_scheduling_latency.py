@@ -29,24 +29,31 @@ def make_scheduler(target_itl: float | None, policy: str = "fcfs", max_num_seqs:
     return scheduler
 
 
-def calibrate(scheduler: Scheduler) -> None:
+def light_seconds(bucket: int, kv_tokens: int) -> float:
+    """A small model's fake device: a step's fixed cost dwarfs its tokens' (stories260K on CPU: 1.4 ms for
+    4 tokens, 2.5 ms for 64)."""
+    return 2e-3 + 2e-5 * bucket
+
+
+def calibrate(scheduler: Scheduler, device=scripted_seconds) -> None:
     """What warm-up does: time an idle step (no KV) of every bucket, twice."""
     for bucket in scheduler.config.token_buckets:
         for _ in range(2):
-            scheduler.step_cost.observe(bucket, 0, scripted_seconds(bucket, 0))
+            scheduler.step_cost.observe(bucket, 0, device(bucket, 0))
 
 
 class TimedLoop(AsyncLoop):
     """The async loop, each step "run" on the fake device: its scripted time is recorded and fed back."""
 
-    def __init__(self, scheduler: Scheduler, *requests: Request):
+    def __init__(self, scheduler: Scheduler, *requests: Request, device=scripted_seconds):
         super().__init__(scheduler, *requests)
         self.seconds: list[float] = []
+        self.device = device
 
     def step(self) -> StepPlan:
         plan = super().step()
         bucket = self.scheduler.step_cost.bucket_for(plan.num_tokens)
-        seconds = scripted_seconds(bucket, kv_tokens_read(plan)) if not plan.empty else 0.0
+        seconds = self.device(bucket, kv_tokens_read(plan)) if not plan.empty else 0.0
         self.seconds.append(seconds)
         if not plan.empty:
             self.scheduler.step_cost.observe(bucket, kv_tokens_read(plan), seconds)
@@ -147,6 +154,45 @@ def test_the_derived_target_is_twice_a_full_batch_decode_step():
     assert scheduler.itl_target() is None  # nothing measured yet: no cap
     calibrate(scheduler)
     assert scheduler.itl_target() == pytest.approx(2 * scripted_seconds(8, 0))
+
+
+def short_prompt_beside_three_decodes(scheduler: Scheduler, device) -> int:
+    """Three sequences decode (served on `device`) when a 64-token prompt arrives: the prompt tokens of the
+    step that admits it."""
+    loop = TimedLoop(scheduler, device=device)
+    loop.add(*(request(f"d{i}", 300, 200) for i in range(3)))
+    for _ in range(30):
+        loop.step()
+    short = request("short", 64, 4)
+    loop.add(short)
+    plan = loop.step()
+    return sum(seq.num_tokens for seq in plan.seqs if seq.key == short.key)
+
+
+def test_a_short_prompt_beside_a_few_decodes_is_prefilled_whole_after_served_steps_slowed():
+    # Served steps run 1.5x their warm-up time (the HTTP thread shares the cores); the full batch's bucket
+    # (16) is never served at 3 streams, so its base is still warm-up's. A target from it alone stood
+    # below the served prefill step's prediction, and the prompt went in 5 tokens a step.
+    scheduler = make_scheduler(None, max_num_seqs=16)
+    calibrate(scheduler, light_seconds)
+    assert light_seconds(64, 0) < scheduler.itl_target()  # at warm-up, such a step is well under it
+    served = lambda bucket, kv: 1.5 * light_seconds(bucket, kv)
+    for _ in range(10):  # prefill steps served before
+        scheduler.step_cost.observe(64, 0, served(64, 0))
+    assert short_prompt_beside_three_decodes(scheduler, served) == 64
+
+
+def test_the_derived_target_counts_the_kv_a_full_batch_reads_at_the_decodes_context():
+    # Served steps whose time grows with the KV read (the step-time model fits the slope online): a
+    # target without the KV term stood below the prediction of any step with decodes at long contexts.
+    scheduler = make_scheduler(None, max_num_seqs=16)
+    calibrate(scheduler, light_seconds)
+    served = lambda bucket, kv: light_seconds(bucket, kv) + 5e-6 * kv
+    assert short_prompt_beside_three_decodes(scheduler, served) == 64
+    model = scheduler.step_cost
+    assert model.per_kv_token == pytest.approx(5e-6, rel=0.05)
+    assert scheduler.itl_target(300) == pytest.approx(
+        2 * (max(model.base_seconds(b) for b in (1, 2, 4, 8, 16)) + model.per_kv_token * 16 * 300), rel=1e-6)
 
 
 def test_long_prefill_token_threshold_and_max_num_partial_prefills_bound_the_chunks():

@@ -102,11 +102,12 @@ class Scheduler:
         """Queue order: arrival, or (priority, arrival) under the priority policy."""
         return (request.priority, request.arrival) if self.by_priority else (request.arrival,)
 
-    def itl_target(self) -> float | None:
-        """Seconds a step that carries decodes should stay under (None: no cap, or nothing measured yet)."""
+    def itl_target(self, context: float = 0.0) -> float | None:
+        """Seconds a step that carries decodes should stay under (None: no cap, or nothing measured yet);
+        `context`: the decoding sequences' mean context, which a derived target scales with."""
         target = self.config.target_itl
         if target is None:
-            return self.step_cost.derived_target(self.config.max_num_seqs)
+            return self.step_cost.derived_target(self.config.max_num_seqs, context)
         return target or None
 
     def waits_for_draws(self) -> bool:
@@ -164,11 +165,13 @@ class Scheduler:
     def _latency_cap(self, decodes: list[ScheduledSeq], limit: int) -> PrefillCap | None:
         """The bound on this step's prefill tokens that keeps its decodes under the ITL target (None:
         no bound: no decodes in the step, no target, nothing measured yet, or a burst waits)."""
-        target = self.itl_target() if decodes else None
+        if not decodes:
+            return None
+        decode_kv = sum(seq.start + seq.num_tokens for seq in decodes)
+        target = self.itl_target(decode_kv / len(decodes))
         if target is None or not self.step_cost.calibrated or self._burst_waiting(len(decodes)):
             return None
-        return PrefillCap(self.step_cost, target, sum(seq.num_tokens for seq in decodes),
-                          sum(seq.start + seq.num_tokens for seq in decodes), limit)
+        return PrefillCap(self.step_cost, target, sum(seq.num_tokens for seq in decodes), decode_kv, limit)
 
     def _burst_waiting(self, decoding: int) -> bool:
         """Whether the admitted sequences still to prefill outnumber the decoding ones by the waiting-served
