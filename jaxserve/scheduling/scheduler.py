@@ -140,7 +140,7 @@ class Scheduler:
         if not preempted:  # pages just freed by a preemption go to the running requests first
             self._admit()
             running = sorted(self.running, key=self.rank)
-        cap = self._latency_cap(seqs, limit)
+        cap, capped = None, False  # the cap is made at the first prompt to prefill: most steps only decode
         threshold = self.config.long_prefill_token_threshold or limit
         partial = self.config.max_num_partial_prefills or limit
         rows_left = self.images.rows_per_step if self.images is not None else 0
@@ -149,6 +149,8 @@ class Scheduler:
                 break
             if request.is_prefilling:
                 n = min(request.prefill_target - request.num_computed, budget, threshold)
+                if not capped:  # seqs holds the decodes alone yet
+                    cap, capped = self._latency_cap(seqs, limit), True
                 if cap is not None:
                     n = cap.fit(n, request.num_computed)
                     if n == 0:
