@@ -19,6 +19,8 @@
 #   env: MODELS="stories260K llama110m-random" WORKLOADS="retold grounded random" CONC=1,4,16 ROUNDS=2
 #        LLAMA_SERVER=0|1 REQUESTS=N (every level; default about as many seconds per level for both models)
 #        PY=python (default: ./dev run true, then .venv/bin/python)
+#        SPEC_CONFIG='{...}' (the second server's --speculative-config; `none`: an A/A run, both without, to see
+#        how far two identical servers drift apart on this machine)
 set -u
 cd "$(dirname "$0")/.."
 PR=${PEERS_ROOT:-$HOME/.cache/jaxserve-peers}
@@ -26,7 +28,7 @@ OUT=${1:-$PR/results/speculative-$(date +%Y%m%d-%H%M%S).jsonl}; mkdir -p "$(dirn
 LS=$PR/build-native/bin/llama-server
 MODELS=${MODELS:-stories260K llama110m-random}; WORKLOADS=${WORKLOADS:-retold grounded random}
 CONC=${CONC:-1,4,16}; ROUNDS=${ROUNDS:-2}; LLAMA_SERVER=${LLAMA_SERVER:-0}; PORT=8321; URL=http://127.0.0.1:$PORT  # llama-server; jaxserve off / ngram: 8322 / 8323
-NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+NGRAM=${SPEC_CONFIG:-'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'}
 WORK=$(mktemp -d)
 mkdir -p "$PR/logs"
 if [ -z "${PY:-}" ]; then ./dev run true && PY=.venv/bin/python; fi  # .venv exists and is current
@@ -81,7 +83,7 @@ PY
 }
 
 serve_jaxserve() { # stack model: start it and wait until it is ready; its pid in pids[stack]
-  local spec=() url; url=$(stack_url "$1"); [ "$1" = jaxserve-ngram ] && spec=(--speculative-config "$NGRAM")
+  local spec=() url; url=$(stack_url "$1"); [ "$1" = jaxserve-ngram ] && [ "$NGRAM" != none ] && spec=(--speculative-config "$NGRAM")
   $JX serve --model "$(model_dir "$2")" --max-num-seqs 16 --max-model-len "$(max_len "$2")" --host 127.0.0.1 \
     --port "${url##*:}" --served-model-name m --warmup full "${spec[@]}" > "$PR/logs/$1-$2.log" 2>&1 &
   pids[$1]=$!
@@ -122,5 +124,5 @@ for model in $MODELS; do
 done
 
 "$PY" benchmarks/speculative.py --summarize "$OUT"
-settings=$(env | grep -E '^(MODELS|WORKLOADS|CONC|ROUNDS|LLAMA_SERVER|REQUESTS)=' | sed 's/=\(.*\)/="\1"/' | tr '\n' ' ')
+settings=$(env | grep -E '^(MODELS|WORKLOADS|CONC|ROUNDS|LLAMA_SERVER|REQUESTS|SPEC_CONFIG)=' | sed "s/=\(.*\)/='\1'/" | tr '\n' ' ')
 echo "Reproduce: ${settings}benchmarks/speculative_vs_llama_cpp.sh $OUT"
