@@ -192,7 +192,7 @@ def test_the_derived_target_counts_the_kv_a_full_batch_reads_at_the_decodes_cont
     model = scheduler.step_cost
     assert model.per_kv_token == pytest.approx(5e-6, rel=0.05)
     assert scheduler.itl_target(300) == pytest.approx(
-        2 * (max(model.base_seconds(b) for b in (1, 2, 4, 8, 16)) + model.per_kv_token * 16 * 300), rel=1e-6)
+        2 * (model.full_batch_base(16) + model.per_kv_token * 16 * 300), rel=1e-6)
 
 
 def test_long_prefill_token_threshold_and_max_num_partial_prefills_bound_the_chunks():

@@ -130,12 +130,17 @@ class StepCostModel:
         was prefilled 5 tokens a step. The full batch's bucket is often not served (4 streams of 16
         slots), so its base may still be warm-up's while the buckets served have slowed since (the HTTP
         thread shares the cores): the batch is taken as no faster than any smaller one is now."""
-        full = self.bucket_for(max_num_seqs)
-        bases = [seconds for bucket, seconds in self._measured.items() if bucket <= full]
-        base = max(bases, default=self.base_seconds(full))
+        base = self.full_batch_base(max_num_seqs)
         if base is None:
             return None
         return DERIVED_TARGET_FACTOR * (base + self.per_kv_token * max_num_seqs * context)
+
+    def full_batch_base(self, max_num_seqs: int) -> float | None:
+        """A full batch's decode step reading no KV: its bucket's fitted base, or a smaller bucket's where
+        that one is measured slower now (None before any measurement)."""
+        full = self.bucket_for(max_num_seqs)
+        bases = [seconds for bucket, seconds in self._measured.items() if bucket <= full]
+        return max(bases, default=self.base_seconds(full))
 
 
 class PrefillCap:
