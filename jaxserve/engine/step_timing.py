@@ -79,7 +79,9 @@ class StepTiming:
         target = self.scheduler.itl_target()
         logger.info("step times (ms) by token bucket: %s; inter-token latency target %s",
                     ", ".join(f"{b}: {1e3 * cost.base_seconds(b):.1f}" for b in sorted(self.timed_buckets)),
-                    "off" if target is None else f"{1e3 * target:.1f} ms")
+                    "off" if target is None else f"{1e3 * target:.1f} ms" + (
+                        " at no context (derived: it grows with the decoding streams' context)"
+                        if self.scheduler.config.target_itl is None else ""))
 
     def _time_verify_step(self, bucket: int) -> float:
         """A step verifying drafts, idle (on the null page): twice when short, the faster counting."""
