@@ -41,19 +41,18 @@ def test_readme_serve_command_and_curl_example(tmp_path, story_text):
         assert {k: v for k, v in body.items() if k not in ("id", "created")} == \
             {k: v for k, v in shown.items() if k not in ("id", "created")}
         assert "Once upon a time" + body["choices"][0]["text"] == story_text
-        startup = _log_once_it_says(log, r"compiled \d+ step programs .* from the persistent compilation cache")
+        # Ready after the first step program, the rest compiling in the background. That compile is not
+        # waited for: a fresh cache's eleven other programs took 90-120 s of the suite's two cores, and
+        # finishing a background warm-up is test_engine.py's subject.
+        startup = _log_once_it_says(log, r"ready in [0-9.]+s: weights .*compiling in the background")
         assert "serving the built-in default model, stories260K" in startup
         assert re.search(r"float32 weights, attention kernels: blocked", startup)
-        # Ready after the first step program; the rest compiled in the background (the line above).
-        assert re.search(r"ready in [0-9.]+s: weights .*compiling in the background", startup)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
 
 
-def _log_once_it_says(log, pattern: str, timeout: float = 300) -> str:
-    # 300 s: the twelve programs of a fresh cache compile in about 90 s here, but under a load of 7-8 on
-    # this 2-core machine one run failed after 212 s, as a 180 s wait for this line would.
+def _log_once_it_says(log, pattern: str, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while True:
         log.seek(0)
