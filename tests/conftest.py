@@ -33,6 +33,15 @@ def pytest_configure(config):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     # A size limit turns on JAX's file lock: two workers may write and read the same entry at once.
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+    # Two thirds of the suite's time is compiling, mostly for the CPU, programs that then run a few tiny
+    # steps. LLVM's optimization is a third of a stories260K engine's backend compile (12 s, 8.3 s without
+    # it) and buys nothing at these sizes. Numbers move in their last bits at most (stories260K's greedy
+    # tokens stay, a logprob of -9.483461 reads -9.483457), as between two CPUs, which the tests' tolerances
+    # allow for anyway. The HLO passes, whose fusions and memory the TPU and GPU compile-only tests read,
+    # run as before. Servers and the 8-device suite inherit it.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -164,9 +164,9 @@ def test_one_padded_row_and_leading_axes_give_the_same_result(strategy):
     qw = WEIGHTS["int8-channel"]
     x = jnp.asarray(X)
     one = quantized_linear(x[:1], qw, strategy)
-    for min_rows in (2, 4):
-        np.testing.assert_array_equal(np.asarray(quantized_linear(x[:1], qw, strategy, min_rows=min_rows)),
-                                      np.asarray(one))
+    for min_rows in (2, 4):  # to the last bit or two: XLA compiles the scaling for each shape on its own
+        np.testing.assert_allclose(np.asarray(quantized_linear(x[:1], qw, strategy, min_rows=min_rows)),
+                                   np.asarray(one), rtol=1e-6, atol=1e-7)
     batched = quantized_linear(x.reshape(3, 1, 128), qw, strategy)
     assert batched.shape == (3, 1, 48)
     np.testing.assert_allclose(np.asarray(batched[:, 0]), np.asarray(quantized_linear(x, qw, strategy)), rtol=1e-6)
