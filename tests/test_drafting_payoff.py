@@ -316,3 +316,22 @@ def test_drafting_is_priced_on_the_idle_steps_timed_at_warm_up():
         outcomes[idle] = DraftingPayoff(cost).before_reading(1, expected).outcome
     assert cost.drafting_seconds(1, 3) == pytest.approx(34e-3 + 8e-3 + 1e-3)  # 2 tokens in 43 ms against 1 in 28
     assert outcomes == {False: "unprofitable", True: "drafting"}
+
+
+def test_idle_timings_are_an_envelope_so_drafts_never_cost_less_than_none():
+    """Each idle step is timed once or twice at warm-up, and on stories260K at 4 streams bucket 4's plain
+    step took 2.6 ms against 2.0 ms for bucket 8's verifying one. Taken as timed, four drafts cost less than
+    none, and four sequences drafted on a draft each, each likely to stand one time in four. As an envelope (a bucket's step costs
+    at least a smaller one's, a verifying step at least a plain one of its bucket), such drafts do not pay."""
+    cost = DraftingCost(step_cost_model({4: 2.6e-3, 8: 2.0e-3}), step_cost_model({4: 2.3e-3, 8: 2.0e-3}))
+    for bucket, plain, verify in ((4, 2.6e-3, 2.3e-3), (8, 2.1e-3, 2.0e-3)):
+        cost.timed_idle(bucket, False, plain)
+        cost.timed_idle(bucket, True, verify)
+    assert [cost.device_seconds(t, v, False) for t, v in ((4, False), (4, True), (8, False), (8, True))] == \
+        pytest.approx([2.6e-3] * 4)
+    for _ in range(4):
+        cost.observe(2.8e-3, False, 4, 4)  # plain steps: 0.2 ms of host work beyond the device
+    cost.planned(1.0e-3, 4)
+    assert cost.drafting_seconds(4, 4) >= cost.drafting_seconds(4, 0) > cost.plain_seconds(4)
+    # 5 tokens in 3.8 ms against 4 in 2.8 (as timed: in 3.2 ms, 1.09x plain steps' rate, past the margin)
+    assert DraftingPayoff(cost).before_reading(4, [[0.25]] * 4).outcome == "unprofitable"

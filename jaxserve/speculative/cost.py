@@ -25,7 +25,10 @@ drafting's payoff (`payoff.py`).
    device, its whole time left in the residual, against 34 ms for a verifying one), and a residual measured
    against one basis weighed against a device time from the other priced drafting at twice its cost. Idle
    times from one calibration share one basis; the residuals take the KV read and the machine's drift. A
-   run without calibration (multi-host) prices from the online models.
+   run without calibration (multi-host) prices from the online models. The idle times are taken as an
+   envelope: a bucket's step costs at least any smaller bucket's, and a verifying step at least a plain one
+   of its bucket. Each is one or two runs timed at warm-up, and on stories260K at 4 streams bucket 4's plain
+   step timed 2.6 ms against 2.0 ms for bucket 8's verifying one, which priced four drafts below none.
 2. Predictions: a plain step of w sequences, device(w tokens) + the overlapped residual; a drafting step
    with n drafts, device(w + n tokens) + the draft model's drafting program + the read-first residual. The
    read-first residual starts from a prior that counts as one period: the overlapped residual plus the
@@ -80,7 +83,8 @@ class DraftingCost:
         self.step_cost = step_cost  # plain steps' device time per bucket
         self.verify_cost = verify_cost  # steps verifying drafts (their program's draft rows run)
         self.program_seconds = program_seconds
-        self._idle: dict[tuple[int, bool], float] = {}  # (bucket, verifies?) -> its idle step, timed at warm-up
+        self._timed: dict[tuple[int, bool], float] = {}  # (bucket, verifies?) -> its idle step, timed at warm-up
+        self._idle: dict[tuple[int, bool], float] = {}  # the same, as the envelope (`timed_idle`)
         self._residual: dict[tuple[bool, int], Average] = {}  # (read first?, width class) -> seconds
         self._planning: dict[int, Average] = {}  # width class -> host seconds from a step's start to launch
         self._last_kind: bool | None = None
@@ -92,7 +96,9 @@ class DraftingCost:
 
     def timed_idle(self, bucket: int, verifies: bool, seconds: float) -> None:
         """The idle step of `bucket`'s program (`verifies`: the one verifying drafts) took `seconds`."""
-        self._idle[bucket, verifies] = seconds
+        self._timed[bucket, verifies] = seconds
+        timed = self._timed
+        self._idle = {(b, v): max(t for (c, w), t in timed.items() if c <= b and w <= v) for b, v in timed}
 
     def device_seconds(self, tokens: int, verifies: bool, drafting_program: bool) -> float:
         """A step of `tokens` tokens (its bucket's program), verifying drafts or not, and the proposer's
