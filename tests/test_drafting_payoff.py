@@ -321,8 +321,9 @@ def test_drafting_is_priced_on_the_idle_steps_timed_at_warm_up():
 def test_idle_timings_are_an_envelope_so_drafts_never_cost_less_than_none():
     """Each idle step is timed once or twice at warm-up, and on stories260K at 4 streams bucket 4's plain
     step took 2.6 ms against 2.0 ms for bucket 8's verifying one. Taken as timed, four drafts cost less than
-    none, and four sequences drafted on a draft each, each likely to stand one time in four. As an envelope (a bucket's step costs
-    at least a smaller one's, a verifying step at least a plain one of its bucket), such drafts do not pay."""
+    none, and four sequences drafted a draft each, each likely to stand one time in four. As an envelope (a
+    bucket's step costs at least a smaller one's, a verifying step at least a plain one of its bucket), such
+    drafts do not pay."""
     cost = DraftingCost(step_cost_model({4: 2.6e-3, 8: 2.0e-3}), step_cost_model({4: 2.3e-3, 8: 2.0e-3}))
     for bucket, plain, verify in ((4, 2.6e-3, 2.3e-3), (8, 2.1e-3, 2.0e-3)):
         cost.timed_idle(bucket, False, plain)
