@@ -96,9 +96,11 @@ class DraftingCost:
 
     def timed_idle(self, bucket: int, verifies: bool, seconds: float) -> None:
         """The idle step of `bucket`'s program (`verifies`: the one verifying drafts) took `seconds`."""
+        # The envelope from below: the scheduler's step-time model makes the same timings monotone from above
+        # (a bucket no slower than a bigger one, `StepCostModel._refit`), which prices small steps low; here a
+        # step priced low is drafting that loses, so each is priced at least as the cheaper ones measured.
         self._timed[bucket, verifies] = seconds
-        timed = self._timed
-        self._idle = {(b, v): max(t for (c, w), t in timed.items() if c <= b and w <= v) for b, v in timed}
+        self._idle = {(b, v): max(t for (c, w), t in self._timed.items() if c <= b and w <= v) for b, v in self._timed}
 
     def device_seconds(self, tokens: int, verifies: bool, drafting_program: bool) -> float:
         """A step of `tokens` tokens (its bucket's program), verifying drafts or not, and the proposer's
