@@ -22,6 +22,7 @@ from jaxserve.scheduling.request import Request, Status
 from jaxserve.scheduling.stats import EngineStats
 from jaxserve.scheduling.step import ScheduledSeq, StepPlan
 from jaxserve.scheduling.step_cost import StepCostModel
+from jaxserve.speculative import ledger, speculator as speculator_module
 from jaxserve.speculative.ngram import NgramProposer
 from jaxserve.speculative.speculator import Speculator, exact_per_position
 
@@ -268,6 +269,53 @@ def test_each_sequence_verifies_the_drafts_its_acceptance_pays_for():
     assert speculator.outcomes["drafting"] == 12
     good_gains, bad_gains = speculator.acceptance.gains(good.key), speculator.acceptance.gains(bad.key)
     assert good_gains[1] > 0.8 and bad_gains[0] < good_gains[0] - 0.3
+
+
+def test_a_drafting_steps_periods_and_the_drafts_that_stood_are_booked_in_the_guards_ledger(monkeypatch):
+    """The realized side of `ledger.py`, as the speculator books it: each drafting step's own period and the
+    next one (which waits for it) at what they took over a plain step, and the drafts that stood; a plain
+    step's period is not booked. One sequence drafts on six steps, then its text stops repeating: the next
+    step was planned to draft on the guess that it would go on, reads first, finds nothing, and is booked
+    too (charged what the guess expected, realized nothing but its time)."""
+    clock = [0.0]
+    monkeypatch.setattr(speculator_module, "time",
+                        type("Clock", (), {"perf_counter": lambda: clock[0], "monotonic": lambda: clock[0]}))
+    monkeypatch.setattr(ledger, "MEMORY_STEPS", 10**9)  # plain sums, for the arithmetic below
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=1)
+    speculator = Speculator(config, NgramProposer(2, 1, 1), step_cost_model(DEVICE))
+    for _ in range(4):  # plain steps at one sequence: 10 ms of device time and 0.5 of host
+        speculator.cost.observe(10.5e-3, False, 1, 1)
+    r = running_request([*range(1, 10), 1])  # a loop: after t, prompt lookup drafts t + 1, t + 2
+    plan = dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])
+    launched = dataclasses.make_dataclass("Launched", ["step"])
+
+    def engine_step(read_first: bool, period: float) -> list[int]:
+        drafting = speculator.wants_draws_first([r])
+        speculator.propose([r], read_first=read_first or drafting)
+        drafts, r.draft_token_ids = r.draft_token_ids, []
+        speculator.observe(launched(plan(1 + len(drafts), bool(drafts))), [r])
+        speculator.prepare([r])
+        clock[0] += period
+        speculator.record_step(1, read_first or drafting)
+        return drafts
+
+    speculator.prepare([r])
+    for _ in range(6):
+        drafts = engine_step(False, 20e-3)
+        assert len(drafts) == 2
+        r.token_ids += drafts + [drafts[-1] % 9 + 1]  # both stand, and the target goes on with the loop
+        r.num_computed = len(r.token_ids) - 1
+    r.token_ids += [50, 51]  # new text: nothing to draft
+    r.num_computed = len(r.token_ids) - 1
+    assert engine_step(True, 20e-3) == []  # planned on the guess; waits for the last verifying step
+    assert speculator.outcomes["unprofitable"] + speculator.outcomes["no_drafts"] == 1
+    assert engine_step(False, 13e-3) == []  # a plain step: not booked
+    book = speculator.payoff.ledger._books[1]
+    assert book.steps == pytest.approx(7)
+    # Six periods booked (the first step's own is not measured: no period before it), 9.5 ms each over the
+    # plain step's 10.5; the plain step's 2.5 ms over it is not.
+    assert book.seconds == pytest.approx(6 * 9.5e-3)
+    assert book.tokens == pytest.approx(12)  # two drafts stood on each of the six steps
 
 
 class CountingSpeculator(Speculator):

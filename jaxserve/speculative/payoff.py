@@ -25,7 +25,11 @@ the machine, the width of the batch and each request's text, so it is priced eve
    credit for the tokens it gains, and at least a plain step's time), holding at most one probe's worth.
    So probes cost at most PROBE_SHARE of the serving time, and come about every 1 / PROBE_SHARE
    probe-lengths of it.
-5. The speculator counts each step's outcome (`OUTCOMES`): drafting, probe, or off and why.
+5. The guard (`ledger.py`): every step that drafts is booked as charged (what its decision expected) and
+   as realized (the drafts that stood, the periods it took); at a width where drafting lost, the expected
+   gains are discounted by how far the realized fell short of the charged, so predictions biased the same
+   way every time stop costing throughput.
+6. The speculator counts each step's outcome (`OUTCOMES`): drafting, probe, or off and why.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import itertools
 from typing import Sequence
 
 from jaxserve.speculative.cost import DraftingCost
+from jaxserve.speculative.ledger import Ledger
 
 MARGIN = 0.05  # drafting must be estimated this much faster than plain steps
 # A draft less likely than this to stand is not verified, even where its row costs the device nothing (its
@@ -57,7 +62,7 @@ OUTCOMES = {
 class Decision:
     drafting: bool  # read the step in flight first, then draft (a probe included)
     outcome: str  # a key of OUTCOMES
-    gain: float = 0.0  # expected tokens the drafts add to the step
+    gain: float = 0.0  # expected tokens the drafts add to the step, as predicted (before the ledger's discount)
     seconds: float = 0.0  # the step's estimated extra time over a plain one
 
 
@@ -109,14 +114,33 @@ class DraftingPayoff:
         self.cost = cost
         self.probe_share = probe_share
         self.margin = margin
+        self.ledger = Ledger()
         self.budget = 0.0  # seconds probes may still spend
         self.probe_seconds = 0.0  # predicted extra seconds spent on probes, for the log and tests
         self.served_seconds = 0.0
 
-    def served(self, seconds: float) -> None:
-        """An engine-loop period with sequences running: the probe budget grows with it."""
+    def served(self, seconds: float, booked_at: int = 0) -> None:
+        """An engine-loop period with sequences running: the probe budget grows with it. `booked_at`: where
+        it is a drafting step's (the step's own, or the next one, which waits for it), the width of that
+        step; what the period took over a plain step's predicted time is booked as drafting's."""
         self.served_seconds += seconds
         self.budget += self.probe_share * seconds
+        if booked_at and self.cost.measured(booked_at):
+            self.ledger.spent(booked_at, seconds - self.cost.plain_seconds(booked_at))
+
+    def stood(self, running: int, tokens: int) -> None:
+        """Of the drafts a drafting step verified for a sequence, `tokens` stood."""
+        self.ledger.stood(running, tokens)
+
+    def discount(self, running: int) -> float:
+        """The ledger's discount on expected gains at this width (plain steps measured there)."""
+        return self.ledger.discount(running, running / self.cost.plain_seconds(running))
+
+    def summary(self, running: int) -> str:
+        """The ledger at this width, for the log."""
+        if not self.cost.measured(running):
+            return "no drafting steps booked"
+        return self.ledger.summary(running, running / self.cost.plain_seconds(running))
 
     def before_reading(self, running: int, expected: Sequence[Sequence[float]]) -> Decision:
         """Whether to read the step in flight and draft: `expected[s]`, the expected gain of each draft
@@ -126,11 +150,12 @@ class DraftingPayoff:
         if not self.cost.measured(running):
             return OFF["measuring"]
         plain = self.cost.plain_seconds(running)
-        _, gain, seconds = best_drafts(expected, running, self.cost, plain, 0.0)
+        discount = self.discount(running)
+        _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain, 0.0)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
             if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
                 return OFF["measuring"]
-            return Decision(True, "drafting", gain, seconds - plain)
+            return Decision(True, "drafting", gain / discount, seconds - plain)
         # A probe: every draft verified, then a read-first step after it; charged at least a plain step,
         # whatever the estimates say (they may be what is wrong).
         drafts = sum(len(row) for row in expected)
@@ -146,15 +171,29 @@ class DraftingPayoff:
     def after_reading(self, running: int, gains: Sequence[Sequence[float]], planned: Decision) -> list[int]:
         """Drafts per sequence to verify, the newest tokens known: `gains[s]` for the drafts sequence s
         found; `planned`, what `before_reading` decided (a probe verifies every draft; a step that was not
-        to draft pays for the read-first step its drafts would cause)."""
+        to draft pays for the read-first step its drafts would cause). A step planned to draft, and one
+        that drafts without the plan, is booked in the ledger as charged."""
         if planned.outcome == "probe":
+            drafts = sum(len(row) for row in gains)
+            self.ledger.charged(running, sum(map(sum, gains)),
+                                self.cost.drafting_seconds(running, drafts) - self.cost.plain_seconds(running))
             return [len(row) for row in gains]
+        if planned.outcome == "drafting":
+            self.ledger.charged(running, planned.gain, planned.seconds)
         if planned.outcome == "measuring" or not self.cost.measured(running):
             return [0] * len(gains)  # plain steps, until they are measured
         baseline = self.cost.drafting_seconds(running, 0)
         extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
         plain_rate = running / self.cost.plain_seconds(running)
-        counts, gain, seconds = best_drafts(gains, running, self.cost, baseline, extra, plain_rate)
+        discount = self.discount(running)
+        counts, gain, seconds = best_drafts(_discounted(gains, discount), running, self.cost, baseline, extra,
+                                            plain_rate)
         if gain and advantage(running, gain, seconds, baseline, plain_rate) >= 1 + self.margin:
+            if not planned.drafting:
+                self.ledger.charged(running, gain / discount, seconds - baseline)
             return counts
         return [0] * len(gains)
+
+
+def _discounted(gains: Sequence[Sequence[float]], discount: float) -> Sequence[Sequence[float]]:
+    return gains if discount == 1.0 else [[g * discount for g in row] for row in gains]

@@ -83,7 +83,11 @@ class Speculator:
         self._width = 0  # the width class of the batch when it was made
         self._hopeful: set[int] = set()  # requests whose known tokens gave a draft at the last prepare()
         self._known: set[int] = set()
-        self._verifying: dict[int, tuple[int, int]] = {}  # key -> (known tokens when it drafted, drafts)
+        # key -> (known tokens when it drafted, drafts, the width of its step)
+        self._verifying: dict[int, tuple[int, int, int]] = {}
+        # The ledger's realized side (`ledger.py`), by the width of the drafting step booked (0: none): this
+        # call's period, and the drafts verified by this call's step.
+        self._period_booked_at = self._verified_booked_at = 0
         self._step_started = self._launched_at = 0.0
         # This call's step: (tokens, verifies drafts?, the proposer's program after it drafted?)
         self._launched: tuple[int, bool, bool] | None = None
@@ -176,7 +180,12 @@ class Speculator:
                 request.draft_token_ids = found_drafts[:count]
                 if count:
                     verified = True
-                    self._verifying[request.key] = (len(request.token_ids), count)
+                    self._verifying[request.key] = (len(request.token_ids), count, len(running))
+        # The periods of a drafting step (those `DraftingPayoff.after_reading` books as charged) are booked
+        # as realized: its own, and the next one, which waits for it (and reads first).
+        drafting_step = planned.drafting and bool(ready)  # a probe's too
+        self._period_booked_at = len(running) if drafting_step else self._verified_booked_at
+        self._verified_booked_at = len(running) if verified else 0
         if running:
             self.outcomes[self._outcome(planned, verified, found)] += 1
         self.proposals += 1
@@ -208,8 +217,11 @@ class Speculator:
             if verifying is None or request.num_pending or len(request.token_ids) <= verifying[0]:
                 continue
             del self._verifying[request.key]
-            stood = min(len(request.token_ids) - verifying[0] - 1, verifying[1])
-            self.acceptance.verified(request.key, verifying[1], stood)
+            known, drafts, booked_at = verifying
+            stood = min(len(request.token_ids) - known - 1, drafts)
+            self.acceptance.verified(request.key, drafts, stood)
+            if self.payoff is not None:
+                self.payoff.stood(booked_at, stood)
 
     # ---- around the device step -----------------------------------------------------------------------
 
@@ -264,7 +276,7 @@ class Speculator:
             period = now - self._period_start
             self.cost.observe(period, read_first, running, *reading)
             if self.payoff is not None:
-                self.payoff.served(period)
+                self.payoff.served(period, self._period_booked_at)
         self._period_start = now
 
     # ---- reporting --------------------------------------------------------------------------------------
@@ -292,6 +304,10 @@ class Speculator:
         total = sum(steps.values())
         shares = ", ".join(f"{100 * n / total:.0f}% {outcome.replace('_', ' ')}"
                            for outcome, n in steps.most_common())
-        logger.info("speculative decoding: %d steps: %s; %s", total, shares,
-                    self.cost.summary(len(running)) if running else "idle")
+        estimates = "idle"
+        if running:
+            estimates = self.cost.summary(len(running))
+            if self.payoff is not None:
+                estimates += f"; {self.payoff.summary(len(running))}"
+        logger.info("speculative decoding: %d steps: %s; %s", total, shares, estimates)
 

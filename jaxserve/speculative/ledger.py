@@ -1,0 +1,104 @@
+"""What drafting really paid against what the payoff charged for it: the guard on drafting's payoff
+(`payoff.py`).
+
+The payoff decides from predictions: each sequence's acceptance so far (`acceptance.py`) and each step's
+cost as measured (`cost.py`). Where they are off in the same direction every time, measuring more does not
+fix the decisions: a verifying step's device time is its idle step's, timed at warm-up, and the residual
+it leaves is learnt over all the read-first periods, most of which do not wait for one; and a drafting
+step's price leaves out the step after it, which reads first too, unless that one drafts as well.
+On stories260K at 4 streams the drafting steps, 1-2% of them, made the server 6% slower than speculation
+off: offline, they realized the tokens they were charged for, at four times the seconds (a verifying
+step's read took 5-9 ms where warm-up had timed 2.6-4.7, and the step after it reads first as well).
+
+So every step that drafts (probes included) is booked, per width, as charged (the tokens it was expected
+to add and the seconds over a plain step its decision used, undiscounted) and as realized (the drafts that
+stood; the periods it was served in, its own and the next one, which waits for it, over a plain step's
+predicted time). Over about the last `MEMORY_STEPS` steps booked:
+- where the drafts that stood outweigh the tokens plain steps would have made in the realized extra
+  seconds, drafting paid: no discount, however far the predictions were off;
+- where they do not, drafting lost, and every expected gain at that width is multiplied by the bias:
+  realized tokens per extra second over charged ones (at most 1, at least `FLOOR`). Predictions off by a
+  factor are then weighed as if they were not.
+Probes are booked too: where the discount keeps drafting off, they are what can show that it pays again
+(acceptance up, verify steps cheaper), and lift it. Too few steps booked (`MIN_STEPS`) tell nothing.
+"""
+
+from __future__ import annotations
+
+from jaxserve.speculative.cost import width_class
+
+MEMORY_STEPS = 32  # drafting steps the book remembers (an exponential memory)
+MIN_STEPS = 8.0  # drafting steps booked (decayed) before the book counts
+FLOOR = 0.2
+
+
+class _Book:
+    """One width's decayed sums: steps booked, tokens and extra seconds charged, and realized."""
+    __slots__ = ("steps", "charged_tokens", "charged_seconds", "tokens", "seconds")
+
+    def __init__(self):
+        self.steps = self.charged_tokens = self.charged_seconds = self.tokens = self.seconds = 0.0
+
+    def paid(self, plain_rate: float) -> bool:
+        """Whether the drafts that stood made up for the tokens plain steps would have made in the extra
+        seconds (`plain_rate`: their tokens per second), or too few steps are booked to tell."""
+        return self.steps < MIN_STEPS or self.tokens >= self.seconds * plain_rate
+
+    def bias(self) -> float:
+        """Realized tokens per extra second over charged ones (FLOOR..1)."""
+        if self.charged_tokens <= 0 or self.charged_seconds <= 0:
+            return 1.0
+        # Realized extra seconds can come out at or under a plain step's (noise, or no cost at all): then
+        # the tokens alone decide, against a cost no lower than a tenth of the charged one.
+        seconds = max(self.seconds, 0.1 * self.charged_seconds)
+        realized = (self.tokens / self.charged_tokens) * (self.charged_seconds / seconds)
+        return min(max(realized, FLOOR), 1.0)
+
+
+class Ledger:
+    """Per width class: drafting steps' charged and realized tokens and seconds, and the discount."""
+
+    def __init__(self):
+        self._books: dict[int, _Book] = {}
+
+    def _book(self, running: int) -> _Book:
+        width = width_class(running)
+        book = self._books.get(width)
+        if book is None:
+            book = self._books[width] = _Book()
+        return book
+
+    def charged(self, running: int, tokens: float, seconds: float) -> None:
+        """A drafting step was decided on expecting `tokens` more tokens for `seconds` more than a plain
+        step (undiscounted: what the predictions said). The book's memory moves on a step."""
+        book = self._book(running)
+        keep = 1 - 1 / MEMORY_STEPS
+        book.steps = book.steps * keep + 1
+        book.charged_tokens = book.charged_tokens * keep + tokens
+        book.charged_seconds = book.charged_seconds * keep + seconds
+        book.tokens *= keep
+        book.seconds *= keep
+
+    def spent(self, running: int, seconds: float) -> None:
+        """A drafting step's period (its own, or the next one) took `seconds` more than a plain step's
+        predicted time."""
+        self._book(running).seconds += seconds
+
+    def stood(self, running: int, tokens: int) -> None:
+        """Of the drafts a drafting step verified for a sequence, `tokens` stood."""
+        self._book(running).tokens += tokens
+
+    def discount(self, running: int, plain_rate: float) -> float:
+        """What the expected gains at this width are multiplied by (FLOOR..1): the bias, where drafting
+        lost (`plain_rate`: plain steps' tokens per second at this width); 1 where it paid."""
+        book = self._books.get(width_class(running))
+        return 1.0 if book is None or book.paid(plain_rate) else book.bias()
+
+    def summary(self, running: int, plain_rate: float) -> str:
+        book = self._books.get(width_class(running))
+        if book is None or not book.charged_tokens:
+            return "no drafting steps booked"
+        return (f"drafting steps realized {book.tokens / book.charged_tokens:.0%} of the tokens and "
+                f"{book.seconds / max(book.charged_seconds, 1e-9):.0%} of the seconds charged, "
+                f"{'paying' if book.paid(plain_rate) else 'losing'}: gains discounted to "
+                f"{self.discount(running, plain_rate):.0%}")
