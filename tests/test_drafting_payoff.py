@@ -220,7 +220,8 @@ def test_drafting_that_loses_against_biased_predictions_is_stopped_by_what_it_re
     guarded = machine()
     ratio = guarded.run(3000)
     assert ratio > 0.98 and guarded.outcomes[-1000:].count("drafting") == 0
-    assert guarded.payoff.discount(4) < 0.7 and "losing" in guarded.payoff.summary(4)
+    assert guarded.payoff.ledger.discount(4, 4 / guarded.cost.plain_seconds(4)) < 0.7
+    assert "losing" in guarded.payoff.summary(4)
     with monkeypatch.context() as patch:  # the same machine without the guard
         patch.setattr(Ledger, "discount", lambda self, running, plain_rate: 1.0)
         unguarded = machine()

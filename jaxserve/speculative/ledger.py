@@ -25,6 +25,8 @@ Probes are booked too: where the discount keeps drafting off, they are what can 
 
 from __future__ import annotations
 
+import collections
+
 from jaxserve.speculative.cost import width_class
 
 MEMORY_STEPS = 32  # drafting steps the book remembers (an exponential memory)
@@ -59,14 +61,10 @@ class Ledger:
     """Per width class: drafting steps' charged and realized tokens and seconds, and the discount."""
 
     def __init__(self):
-        self._books: dict[int, _Book] = {}
+        self._books: collections.defaultdict[int, _Book] = collections.defaultdict(_Book)
 
     def _book(self, running: int) -> _Book:
-        width = width_class(running)
-        book = self._books.get(width)
-        if book is None:
-            book = self._books[width] = _Book()
-        return book
+        return self._books[width_class(running)]
 
     def charged(self, running: int, tokens: float, seconds: float) -> None:
         """A drafting step was decided on expecting `tokens` more tokens for `seconds` more than a plain

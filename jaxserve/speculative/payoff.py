@@ -132,10 +132,6 @@ class DraftingPayoff:
         """Of the drafts a drafting step verified for a sequence, `tokens` stood."""
         self.ledger.stood(running, tokens)
 
-    def discount(self, running: int) -> float:
-        """The ledger's discount on expected gains at this width (plain steps measured there)."""
-        return self.ledger.discount(running, running / self.cost.plain_seconds(running))
-
     def summary(self, running: int) -> str:
         """The ledger at this width, for the log."""
         if not self.cost.measured(running):
@@ -150,7 +146,7 @@ class DraftingPayoff:
         if not self.cost.measured(running):
             return OFF["measuring"]
         plain = self.cost.plain_seconds(running)
-        discount = self.discount(running)
+        discount = self.ledger.discount(running, running / plain)
         _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain, 0.0)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
             if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
@@ -185,7 +181,7 @@ class DraftingPayoff:
         baseline = self.cost.drafting_seconds(running, 0)
         extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
         plain_rate = running / self.cost.plain_seconds(running)
-        discount = self.discount(running)
+        discount = self.ledger.discount(running, plain_rate)
         counts, gain, seconds = best_drafts(_discounted(gains, discount), running, self.cost, baseline, extra,
                                             plain_rate)
         if gain and advantage(running, gain, seconds, baseline, plain_rate) >= 1 + self.margin:
