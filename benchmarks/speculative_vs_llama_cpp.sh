@@ -9,9 +9,11 @@
 # - random: random token prompts of side_by_side.sh's lengths (64 tokens for stories260K, 128 for 124.7M).
 # 64 greedy output tokens with ignore_eos, concurrency 1, 4 and 16 (`jaxserve bench serve`, one call a level;
 # the draft acceptance and the steps drafting of each level are read from /metrics around it).
-# Both jaxserve servers are up side by side (an idle one sleeps); each level runs on one and then at once on
-# the other, the first of the pair alternating from level to level and from round to round, so that the two
-# runs of a ratio are seconds apart and a machine whose pace drifts favours neither. ROUNDS rounds (default 2).
+# Both jaxserve servers are up side by side (an idle one sleeps); each level's requests are cut into chunks
+# sent to one server and then the other, chunk by chunk (`benchmarks/served_pair.py`: on this 2-core machine
+# one run per server swung 0.84-1.26x between two identical servers, chunks in alternation 0.98-1.09x), the
+# first of each pair alternating from chunk to chunk, from level to level and from round to round, so that a
+# machine whose pace drifts favours neither. ROUNDS rounds (default 2).
 # Each level is one JSON line in OUT; the table of ngram / off per round and over all rounds comes last, and
 # OUT's .summary.json holds it.
 # The 124.7M model needs ../shared/peers/setup.sh to have run once (it also builds llama-server).
@@ -38,10 +40,10 @@ source benchmarks/lib.sh  # wait_health
 model_dir() { if [ "$1" = stories260K ]; then echo ../shared/models/stories260K; else echo "$PR/models/$1"; fi; }
 prompt_len() { if [ "$1" = stories260K ]; then echo 64; else echo 128; fi; }
 max_len() { if [ "$1" = stories260K ]; then echo 512; else echo 1024; fi; }  # stories260K: 512 positions
-# Requests per level: max(128, 16c) for stories260K (a level of a few seconds: shorter ones swing with the
-# machine), max(8, 2c) for the 124.7M model.
+# Requests per level: max(128, 32c) for stories260K (4-8 chunks of at least 8 requests a stream, a second or
+# two each), max(8, 2c) for the 124.7M model (one chunk: its steps are compute-bound and swing less).
 requests() { [ -n "${REQUESTS:-}" ] && { echo "$REQUESTS"; return; }
-  local per=2 least=8; [ "$1" = stories260K ] && per=16 least=128
+  local per=2 least=8; [ "$1" = stories260K ] && per=32 least=128
   echo $(( per * $2 > least ? per * $2 : least )); }
 
 spec_counters() { # URL: drafted and accepted draft tokens, steps drafting or probing, all steps (0s without speculation)
@@ -82,6 +84,31 @@ PY
   done
 }
 
+load_pair() { # model workload round concurrency first (0: off, 1: ngram): both servers' JSON lines for the level
+  local model=$1 kind=$2 c=$4 dir n off ngram; dir=$(model_dir "$1"); n=$(requests "$model" "$c")
+  off=$(stack_url jaxserve-off); ngram=$(stack_url jaxserve-ngram)
+  local data=(--dataset-path "$WORK/$model-$kind.jsonl")
+  [ "$kind" = random ] && data=(--random-input-len "$(prompt_len "$model")" --tokenizer "$dir")
+  read -r d0 a0 on0 all0 < <(spec_counters "$ngram")
+  "$PY" benchmarks/served_pair.py --urls "$off" "$ngram" --model m "${data[@]}" --num-prompts "$n" \
+    --max-concurrency "$c" --first "$5" --save-result "$WORK/pair.json" > /dev/null || return 1
+  read -r d1 a1 on1 all1 < <(spec_counters "$ngram")
+  "$PY" - "$WORK/pair.json" "$model" "$kind" "$3" "$((d1 - d0))" "$((a1 - a0))" "$((on1 - on0))" \
+    "$((all1 - all0))" <<'PY' | tee -a "$OUT"
+import json, sys
+path, model, kind, round_, drafted, accepted, on, steps = sys.argv[1:]
+pair = json.load(open(path))
+for stack, server in zip(("jaxserve-off", "jaxserve-ngram"), pair["servers"]):
+    ngram = stack == "jaxserve-ngram"
+    print(json.dumps({"bench": "speculative-served", "model": model, "stack": stack, "workload": kind,
+                      "concurrency": pair["concurrency"], "round": int(round_), "requests": pair["requests"],
+                      "failed": server["failed"], "output_tok_s": server["output_tok_s"], "chunks": pair["chunks"],
+                      "first": ("jaxserve-off", "jaxserve-ngram")[pair["first"]], "chunk_tok_s": server["chunk_tok_s"],
+                      "draft_tokens": int(drafted) if ngram else 0, "accepted_tokens": int(accepted) if ngram else 0,
+                      "steps_drafting": int(on) if ngram else 0, "steps": int(steps) if ngram else 0}))
+PY
+}
+
 serve_jaxserve() { # stack model: start it and wait until it is ready; its pid in pids[stack]
   local spec=() url; url=$(stack_url "$1"); [ "$1" = jaxserve-ngram ] && [ "$NGRAM" != none ] && spec=(--speculative-config "$NGRAM")
   $JX serve --model "$(model_dir "$2")" --max-num-seqs 16 --max-model-len "$(max_len "$2")" --host 127.0.0.1 \
@@ -114,8 +141,7 @@ for model in $MODELS; do
     pair=0  # a level's pair starts with off in odd rounds where the level before started with ngram
     for kind in $WORKLOADS; do
       for c in ${CONC//,/ }; do
-        stacks="jaxserve-off jaxserve-ngram"; [ $(((pair + round) % 2)) = 0 ] && stacks="jaxserve-ngram jaxserve-off"
-        for stack in $stacks; do load "$model" "$stack" "$kind" "$round" "$c" || exit 1; done
+        load_pair "$model" "$kind" "$round" "$c" $(((pair + round + 1) % 2)) || exit 1
         pair=$((pair + 1))
       done
     done
