@@ -154,6 +154,31 @@ def test_speculative_served_summary_pairs_rounds_and_flags_levels_under_the_targ
     assert table.endswith("ngram / off under 0.97x: m retold 16 (0.95x)")
 
 
+def test_served_pair_alternates_chunks_between_the_servers_and_rates_each_over_its_own_time(monkeypatch):
+    """benchmarks/served_pair.py (the served speculation benchmark's driver): a level's requests cut into chunks
+    of at least 8 requests a stream, each sent to one server and then the other, the first of each pair
+    alternating; the warm-up request only before each server's first chunk; a server's tok/s is its tokens
+    over the seconds of its own chunks."""
+    from jaxserve.bench.serve import RequestResult
+
+    pair = load("served_pair")
+    calls = []
+
+    async def run_level(url, model, requests, *, warmups, **options):
+        calls.append((url, len(requests), len(warmups)))
+        done = [RequestResult(success=True, output_tokens=64) for _ in requests]
+        done[0] = RequestResult(error="reset") if url == "B" and len(calls) == 1 else done[0]
+        return done, 1.0 if url == "A" else 2.0
+
+    monkeypatch.setattr(pair.serve, "run_level", run_level)
+    a, b = pair.run_pair(["A", "B"], "m", list(range(64)), "warm-up", concurrency=2, first=1)
+    assert [url for url, _, _ in calls] == ["B", "A", "A", "B", "B", "A", "A", "B"]  # 4 chunks of 16
+    assert {n for _, n, _ in calls} == {16} and [w for _, _, w in calls] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert a["output_tok_s"] == 64 * 64 / 4.0 and a["failed"] == 0
+    assert b["tokens"] == 63 * 64 and b["seconds"] == 8.0 and b["failed"] == 1  # its first request failed
+    assert pair.chunk_count(8, 16) == 1 and pair.chunk_count(128, 1) == pair.MAX_CHUNKS
+
+
 def test_gpu_script_speculates_and_counts_the_drafts_that_stand(capsys, monkeypatch, tmp_path):
     """--e2e-ngram (the session script's spec8 part, at tiny size): prompts of a repeated phrase give the
     lookup n-grams, drafts are verified in the engine's steps, and the decode row's tokens per second count
