@@ -7,8 +7,8 @@
 #   prompt, as when quoting, summarising or editing a text); grounded: a fixed story told twice and begun a
 #   third time; both written by `benchmarks/speculative.py --write-prompts`.
 # - random: random token prompts of side_by_side.sh's lengths (64 tokens for stories260K, 128 for 124.7M).
-# 64 greedy output tokens with ignore_eos, concurrency 1, 4 and 16 (`jaxserve bench serve`, one call a level;
-# the draft acceptance and the steps drafting of each level are read from /metrics around it).
+# 64 greedy output tokens with ignore_eos, concurrency 1, 4 and 16 (llama-server: `jaxserve bench serve`, one call
+# a level; the ngram server's draft acceptance and steps drafting are read from its /metrics around each level).
 # Both jaxserve servers are up side by side (an idle one sleeps); each level's requests are cut into chunks
 # sent to one server and then the other, chunk by chunk (`benchmarks/served_pair.py`: on this 2-core machine
 # one run per server swung 0.84-1.26x between two identical servers, chunks in alternation 0.98-1.09x), the
