@@ -6,9 +6,9 @@ Why: on a shared 2-core machine a level's throughput swings by about 10% from on
 next. Two identical servers (stories260K, 128 requests at 4 streams, 6 rounds), one run each: 0.84-1.26x;
 the same requests in 4 alternating chunks: 0.98-1.09x. Alternating chunks of a second or two cancels whatever
 changes the machine's pace more slowly than a chunk; what changes faster is left (a chunk's pair still swings
-by about 13%), so a level is only as sure as its number of chunks. A chunk holds at least `MIN_WAVES` times the concurrency in
-requests, so the ramp and the drain of each (the first and last requests, with fewer streams running) stay a
-small part of it, as in one long run.
+by about 13%), so a level is only as sure as its number of chunks. A chunk holds at least `MIN_WAVES` times the
+concurrency in requests, so the ramp and the drain of each (the first and last requests, with fewer streams
+running) stay a small part of it, as in one long run.
 
     python benchmarks/served_pair.py --urls URL_A URL_B --model m (--dataset-path F.jsonl | --random-input-len N
         --tokenizer DIR) --num-prompts N --max-concurrency C [--first 0|1] [--save-result level.json]
@@ -82,7 +82,7 @@ def main() -> int:
         requests = datasets.jsonl_requests(ns.dataset_path, count, ns.output_len)
     results = run_pair(ns.urls, ns.model, requests[:-1], requests[-1], ns.max_concurrency, ns.first)
     report = {"concurrency": ns.max_concurrency, "requests": ns.num_prompts,
-              "chunks": chunk_count(ns.num_prompts, ns.max_concurrency), "first": ns.first, "servers": results}
+              "chunks": len(results[0]["chunk_tok_s"]), "first": ns.first, "servers": results}
     print(json.dumps(report))
     if ns.save_result:
         with open(ns.save_result, "w") as f:

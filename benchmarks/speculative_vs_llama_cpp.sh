@@ -57,9 +57,9 @@ spec_counters() { # URL: drafted and accepted draft tokens, steps drafting or pr
 stack_url() { case $1 in jaxserve-off) echo http://127.0.0.1:8322 ;; jaxserve-ngram) echo http://127.0.0.1:8323 ;;
   *) echo "$URL" ;; esac; }
 
-load() { # model stack workload round [concurrency levels]: each level, one JSON line
+load() { # model stack workload round: each level, one JSON line (llama-server; jaxserve: load_pair)
   local model=$1 stack=$2 kind=$3 round=$4 dir url; dir=$(model_dir "$1"); url=$(stack_url "$2")
-  for c in ${5:-${CONC//,/ }}; do
+  for c in ${CONC//,/ }; do
     local n; n=$(requests "$model" "$c")
     local data=(--dataset-name jsonl --dataset-path "$WORK/$model-$kind.jsonl")
     if [ "$kind" = random ]; then
