@@ -287,7 +287,7 @@ def test_a_drafting_steps_periods_and_the_drafts_that_stood_are_booked_in_the_gu
         speculator.cost.observe(10.5e-3, False, 1, 1)
     r = running_request([*range(1, 10), 1])  # a loop: after t, prompt lookup drafts t + 1, t + 2
     plan = dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])
-    launched = dataclasses.make_dataclass("Launched", ["step"])
+    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])
 
     def engine_step(read_first: bool, period: float) -> list[int]:
         drafting = speculator.wants_draws_first([r])
@@ -336,7 +336,7 @@ def test_a_full_batch_jittering_by_one_sequence_is_not_decided_again_each_step(j
     speculator = CountingSpeculator(config, NgramProposer(2, 2, 2),
                                     step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.2e-3, 32: 2e-3}))
     full = [running_request(range(100 * s, 100 * s + 20)) for s in range(16)]
-    launched = dataclasses.make_dataclass("Launched", ["step"])(
+    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])(
         dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])(16, False))
     for step in range(200):
         running = full[:15] if jitter and step % 2 else full
@@ -350,3 +350,58 @@ def test_a_full_batch_jittering_by_one_sequence_is_not_decided_again_each_step(j
             r.num_computed += 1
     assert speculator.outcomes["no_drafts"] + speculator.outcomes["measuring"] == 200
     assert speculator.decisions < 200 // 4  # every step while unmeasured, then at the priced interval
+
+
+class CountingCallsSpeculator(Speculator):
+    """The speculator, counting the steps it proposed for and the guesses it prepared."""
+    proposed = prepared = 0
+
+    def propose(self, running, read_first):
+        self.proposed += 1
+        super().propose(running, read_first)
+
+    def prepare(self, running):
+        self.prepared += 1
+        super().prepare(running)
+
+
+def engine_step(speculator: Speculator, running, tokens: int, read_first: bool = False) -> None:
+    """One `Engine.step` as the speculator sees it: `read_first`, whether the engine read the step in flight
+    first for its own reasons (a prefill-only step, a constrained sequence)."""
+    read_first = speculator.wants_draws_first(running) or read_first
+    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])(
+        dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])(tokens, False))
+    if read_first or not speculator.standing_by:
+        speculator.propose(running, read_first)
+        speculator.observe(launched, running)
+    speculator.after_step(running, read_first, launched, EngineStats())
+
+
+def test_a_speculator_standing_by_counts_and_times_each_step_without_proposing():
+    """16 sequences whose text never repeats: once plain steps are measured, drafting stays off and the
+    speculator stands by between its priced decisions. Those steps skip propose, observe and prepare (the
+    host work an engine that does not draft pays over one without speculation) and still count: outcomes,
+    acceptance's clock, and the cost model's periods, one in STANDBY_SAMPLE_PERIODS priced. A step the
+    engine read first anyway proposes: its tokens are known for free."""
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=2, prompt_lookup_max=2)
+    speculator = CountingCallsSpeculator(config, NgramProposer(2, 2, 2),
+                                         step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.2e-3, 32: 2e-3}))
+    running = [running_request(range(100 * s, 100 * s + 20)) for s in range(16)]
+    standing = 0
+    for _ in range(300):
+        engine_step(speculator, running, 16)
+        standing += speculator.standing_by
+        for r in running:
+            r.token_ids.append(r.token_ids[-1] + 1)  # never an earlier n-gram
+            r.num_computed += 1
+    assert sum(speculator.outcomes.values()) == speculator.proposals == speculator.acceptance.steps == 300
+    assert speculator.proposed + standing == 300 and standing > 200
+    assert speculator.prepared == speculator.proposed  # guesses only for the decisions
+    assert speculator.cost.periods == 299 and speculator.cost.measured(16)
+    assert speculator.outcomes["no_drafts"] + speculator.outcomes["measuring"] == 300
+
+    while not speculator.standing_by:  # until a step stands by
+        engine_step(speculator, running, 16)
+    proposed = speculator.proposed
+    engine_step(speculator, running, 16, read_first=True)
+    assert speculator.proposed == proposed + 1 and not speculator.standing_by

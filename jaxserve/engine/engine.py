@@ -261,23 +261,24 @@ class Engine:
             outputs.extend(self._read(self._in_flight))
             self._in_flight = None
             outputs.extend(self._drain_inbox())
-        if speculator is not None:
+        # Standing by (drafting off, no decision due), the speculator takes no part in this step's planning,
+        # unless the step in flight was read first anyway: then the newest tokens are known for free.
+        proposing = speculator is not None and (read_first or not speculator.standing_by)
+        if proposing:
             speculator.propose(self.scheduler.running, read_first)
         plan = self.scheduler.schedule(self.runner.step_token_limit)  # lower while programs still compile
         launched = None
         if not plan.empty:
             launched = self.runner.launch(plan, masks=self.tracker.grammar_masks(plan))
-            if self.speculator is not None:
-                self.speculator.observe(launched, self.scheduler.running)
+            if proposing:
+                speculator.observe(launched, self.scheduler.running)
             self.stats.count_step(plan)
         # While the device runs the step just launched, advance requests by the one before it.
         if self._in_flight is not None:
             outputs.extend(self._read(self._in_flight))
         self._in_flight = launched
         if speculator is not None:  # while the device runs the step
-            speculator.prepare(self.scheduler.running)
-            speculator.record_step(len(self.scheduler.running), read_first)
-            speculator.log_if_due(self.stats, self.scheduler.running)
+            speculator.after_step(self.scheduler.running, read_first, launched, self.stats)
         return outputs
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
@@ -98,12 +99,15 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.seqs
 
-    @property
+    # Computed once: the runner, the engine, the step timing and the speculator each ask on every step (a
+    # scan of the sequences, about a microsecond each on the host's critical path), and a plan is not
+    # changed once made.
+    @functools.cached_property
     def verifies_drafts(self) -> bool:
         """Some sequence verifies draft tokens (speculative decoding): the step needs its draft rows."""
         return any(seq.num_draft_tokens for seq in self.seqs)
 
-    @property
+    @functools.cached_property
     def prefill_only(self) -> bool:
         """No sequence decodes: every request in the step is still reading its prompt."""
         return all(seq.is_prefill for seq in self.seqs)

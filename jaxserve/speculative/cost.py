@@ -133,6 +133,12 @@ class DraftingCost:
             seconds = min(seconds, CLIP * max(device + average.value, 1e-6))
         average.add(seconds - device, self.periods)
 
+    def skip(self, read_first: bool) -> None:
+        """A period not priced (the speculator samples them while standing by): only its kind counts, for
+        the next one's."""
+        self._last_kind = read_first
+        self.periods += 1
+
     def planned(self, seconds: float, running: int) -> None:
         """Host seconds from the start of an overlapped step's planning to its launch."""
         width = width_class(running)
