@@ -4,8 +4,8 @@
 The payoff decides from predictions: each sequence's acceptance so far (`acceptance.py`) and each step's
 cost as measured (`cost.py`). Where they are off in the same direction every time, measuring more does not
 fix the decisions: a verifying step's device time is its idle step's, timed at warm-up, and the residual
-it leaves is learnt over all the read-first periods, most of which do not wait for one; and the step
-after a drafting one reads first too, which its price takes in only as an average (`payoff.RUN_MEMORY`).
+it leaves is learnt over all the read-first periods, most of which do not wait for one; and a drafting
+step's price leaves out the step after it, which reads first too, unless that one drafts as well.
 On stories260K at 4 streams the drafting steps, 1-2% of them, made the server 6% slower than speculation
 off: offline, they realized the tokens they were charged for, at four times the seconds (a verifying
 step's read took 5-9 ms where warm-up had timed 2.6-4.7, and the step after it reads first as well).

@@ -8,16 +8,14 @@ the machine, the width of the batch and each request's text, so it is priced eve
    tokens are not known yet), and the cost model (`cost.py`) prices a plain step and a drafting step with
    n drafts at the width served.
 2. The drafts are ranked across sequences by gain. Verifying the n best gives (w + their gains) tokens in
-   drafting_seconds(n), plus the read-first step after it where that one does not draft too
-   (`RUN_MEMORY`), against w tokens in plain_seconds; the n with the best rate is chosen (0 allowed;
+   drafting_seconds(n) against w tokens in plain_seconds; the n with the best rate is chosen (0 allowed;
    a verify step's program draws every row its token bucket holds, so more drafts within a bucket cost
    the device nothing and each bucket's fullest n is a candidate, of drafts at least `MIN_GAIN` likely to
    stand), and drafting goes ahead only where that rate beats plain steps' by `MARGIN`. A sequence
    verifies its share of the n best, a prefix of its drafts: K per sequence, from its own acceptance.
 3. Once the step in flight has been read (newest tokens known, drafts found), the choice is made again
    with the drafts found. Reading first is paid for by then, except that a step verifying drafts makes the
-   next one read first too: charged as in 2 where drafting was the plan, in full where it was not (the
-   engine read first for another reason). The drafts must still
+   next one read first too, which is charged unless drafting was the plan anyway. The drafts must still
    beat plain steps' rate (`advantage`), not the read-first step's own: a step after a verifying one reads
    first whatever it does, and measured against its own low rate drafting kept itself going step after step.
 4. Probes: where drafting does not pay by the estimates, it is tried now and then, so that estimates gone
@@ -50,13 +48,6 @@ MIN_GAIN = 0.1
 # Of the serving time, at most, spent on probes' extra time (issue 54 allows 2%): with the decisions' share
 # (`speculator.GUESS_SHARE`) and a dormant step's own host work, what an engine that does not draft pays.
 PROBE_SHARE = 0.005
-# The step after one that verified drafts reads first too (its spans depend on how many stood). Where it
-# drafts as well that is paid for by its own drafts; where it does not, the drafting step before it pays:
-# each drafting step is charged the read-first extra times the chance that it ends its run of drafting
-# steps, learnt over about the last 1 / (1 - RUN_MEMORY) drafting steps (starting at 1: alone). On
-# stories260K at 4 streams, served, a read-first step took 3.3-5.8 ms against 1.8-2.8 ms for a plain one,
-# and drafting runs of a step or two, charged their own step alone, ran 0.90-0.93x speculation off.
-RUN_MEMORY = 0.9
 OUTCOMES = {
     "drafting": "drafts verified: estimated to pay",
     "probe": "drafts verified to measure again, where the estimates say they do not pay",
@@ -127,19 +118,6 @@ class DraftingPayoff:
         self.budget = 0.0  # seconds probes may still spend
         self.probe_seconds = 0.0  # predicted extra seconds spent on probes, for the log and tests
         self.served_seconds = 0.0
-        self.ends_run = 1.0  # the chance that a drafting step is the last of its run
-        self._verified = False  # whether the last step proposed for verified drafts
-
-    def verifies(self, drafts: bool) -> None:
-        """Whether the step just proposed for verifies drafts: after one that did, whether the run goes on."""
-        if self._verified:
-            self.ends_run += (1.0 - self.ends_run if not drafts else -self.ends_run) * (1 - RUN_MEMORY)
-        self._verified = drafts
-
-    def next_step_extra(self, running: int) -> float:
-        """What a drafting step is charged for the read-first step after it: the read-first extra, times the
-        chance that the next step does not draft (and so reads first for this one's sake)."""
-        return self.ends_run * self.cost.read_first_extra(running)
 
     def served(self, seconds: float, booked_at: int = 0) -> None:
         """An engine-loop period with sequences running: the probe budget grows with it. `booked_at`: where
@@ -169,8 +147,7 @@ class DraftingPayoff:
             return OFF["measuring"]
         plain = self.cost.plain_seconds(running)
         discount = self.ledger.discount(running, running / plain)
-        _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain,
-                                       self.next_step_extra(running))
+        _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain, 0.0)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
             if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
                 return OFF["measuring"]
@@ -202,9 +179,7 @@ class DraftingPayoff:
         if planned.outcome == "measuring" or not self.cost.measured(running):
             return [0] * len(gains)  # plain steps, until they are measured
         baseline = self.cost.drafting_seconds(running, 0)
-        # Reading first was paid for by now where drafting was the plan (the step after it was charged); a
-        # step that reads first for another reason charges that step in full.
-        extra = self.next_step_extra(running) if planned.drafting else self.cost.read_first_extra(running)
+        extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
         plain_rate = running / self.cost.plain_seconds(running)
         discount = self.ledger.discount(running, plain_rate)
         counts, gain, seconds = best_drafts(_discounted(gains, discount), running, self.cost, baseline, extra,

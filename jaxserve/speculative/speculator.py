@@ -203,8 +203,6 @@ class Speculator:
                     self._verifying[request.key] = (len(request.token_ids), count, len(running))
         # The periods of a drafting step (those `DraftingPayoff.after_reading` books as charged) are booked
         # as realized: its own, and the next one, which waits for it (and reads first).
-        if self.payoff is not None:
-            self.payoff.verifies(verified)
         drafting_step = planned.drafting and bool(ready)  # a probe's too
         self._period_booked_at = len(running) if drafting_step else self._verified_booked_at
         self._verified_booked_at = len(running) if verified else 0
