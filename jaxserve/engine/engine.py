@@ -261,8 +261,7 @@ class Engine:
             outputs.extend(self._read(self._in_flight))
             self._in_flight = None
             outputs.extend(self._drain_inbox())
-        # Standing by (drafting off, no decision due), the speculator takes no part in this step's planning,
-        # unless the step in flight was read first anyway: then the newest tokens are known for free.
+        # Standing by, the speculator sits out a step's planning unless it read first anyway (tokens for free).
         proposing = speculator is not None and (read_first or not speculator.standing_by)
         if proposing:
             speculator.propose(self.scheduler.running, read_first)
