@@ -115,6 +115,11 @@ def step_cost_model(device: dict[int, float]) -> StepCostModel:
     return model
 
 
+# What the speculator reads of a launched step (`LaunchedStep`, `StepPlan`), for driving it without a model.
+FakePlan = dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])
+FakeLaunched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])
+
+
 # A model whose step is mostly the weights' read: four tokens cost about what one does, eight do not.
 DEVICE = {1: 10e-3, 2: 10e-3, 4: 10.5e-3, 8: 14e-3, 16: 20e-3}
 
@@ -286,14 +291,12 @@ def test_a_drafting_steps_periods_and_the_drafts_that_stood_are_booked_in_the_gu
     for _ in range(4):  # plain steps at one sequence: 10 ms of device time and 0.5 of host
         speculator.cost.observe(10.5e-3, False, 1, 1)
     r = running_request([*range(1, 10), 1])  # a loop: after t, prompt lookup drafts t + 1, t + 2
-    plan = dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])
-    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])
 
     def engine_step(read_first: bool, period: float) -> list[int]:
         drafting = speculator.wants_draws_first([r])
         speculator.propose([r], read_first=read_first or drafting)
         drafts, r.draft_token_ids = r.draft_token_ids, []
-        speculator.observe(launched(plan(1 + len(drafts), bool(drafts))), [r])
+        speculator.observe(FakeLaunched(FakePlan(1 + len(drafts), bool(drafts))), [r])
         speculator.prepare([r])
         clock[0] += period
         speculator.record_step(1, read_first or drafting)
@@ -336,8 +339,7 @@ def test_a_full_batch_jittering_by_one_sequence_is_not_decided_again_each_step(j
     speculator = CountingSpeculator(config, NgramProposer(2, 2, 2),
                                     step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.2e-3, 32: 2e-3}))
     full = [running_request(range(100 * s, 100 * s + 20)) for s in range(16)]
-    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])(
-        dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])(16, False))
+    launched = FakeLaunched(FakePlan(16, False))
     for step in range(200):
         running = full[:15] if jitter and step % 2 else full
         speculator.wants_draws_first(running)
@@ -369,8 +371,7 @@ def engine_step(speculator: Speculator, running, tokens: int, read_first: bool =
     """One `Engine.step` as the speculator sees it: `read_first`, whether the engine read the step in flight
     first for its own reasons (a prefill-only step, a constrained sequence)."""
     read_first = speculator.wants_draws_first(running) or read_first
-    launched = dataclasses.make_dataclass("Launched", ["step", ("launched_at", float, 0.0)])(
-        dataclasses.make_dataclass("Plan", ["num_tokens", "verifies_drafts"])(tokens, False))
+    launched = FakeLaunched(FakePlan(tokens, False))
     if read_first or not speculator.standing_by:
         speculator.propose(running, read_first)
         speculator.observe(launched, running)
@@ -398,6 +399,8 @@ def test_a_speculator_standing_by_counts_and_times_each_step_without_proposing()
     assert speculator.proposed + standing == 300 and standing > 200
     assert speculator.prepared == speculator.proposed  # guesses only for the decisions
     assert speculator.cost.periods == 299 and speculator.cost.measured(16)
+    priced = sum(a.count for a in speculator.cost._residual.values())
+    assert priced < 299 - standing // 2  # standing by, three periods in four are not priced
     assert speculator.outcomes["no_drafts"] + speculator.outcomes["measuring"] == 300
 
     while not speculator.standing_by:  # until a step stands by

@@ -88,6 +88,8 @@ class Speculator:
         self.payoff = DraftingPayoff(self.cost) if config.adaptive_drafting else None
         self.outcomes: collections.Counter = collections.Counter()  # OUTCOMES key -> engine steps
         self._decides_early = getattr(proposer, "decides_early", False)
+        # Only adaptive drafting decides at intervals, and a draft model's program follows every step.
+        self._may_stand_by = self.payoff is not None and not self._decides_early
         self._planned = OFF["no_drafts"]  # this step's decision (or, deciding early, the next step's)
         self._recheck_at = 0  # the proposal count from which the decision is made again while off
         self._guess_seconds = Average()  # host seconds of a decision: the proposer's guesses and the pricing
@@ -174,7 +176,7 @@ class Speculator:
         if not self._decides_early:
             self._plan(running, self._hopeful)
         drafting = self._planned.drafting
-        self.standing_by = (not drafting and bool(running) and self.payoff is not None and not self._decides_early
+        self.standing_by = (self._may_stand_by and not drafting and bool(running)
                             and self.proposals + 1 < self._recheck_at and not self._verifying
                             and not self._verified_booked_at)
         return drafting
