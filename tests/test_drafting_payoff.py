@@ -211,7 +211,7 @@ def test_drafting_that_loses_against_biased_predictions_is_stopped_by_what_it_re
     serving (on stories260K at 4 streams a verifying step's read took 5-9 ms against an idle step timed at
     2.6-4.7). The read-first residual learns part of it, not all: four sequences whose drafts stand 8
     times in 10 drafted on a fifth of the steps and served 0.93-0.95x speculation off. The ledger books the
-    drafting steps' realized seconds at twice those charged, and its discount stops them."""
+    drafting steps' realized seconds at twice those charged, and its surcharge stops them."""
     verify = {bucket: seconds * (3 if bucket >= 8 else 1) for bucket, seconds in SMALL.items()}
 
     def machine() -> Machine:
@@ -220,45 +220,50 @@ def test_drafting_that_loses_against_biased_predictions_is_stopped_by_what_it_re
     guarded = machine()
     ratio = guarded.run(3000)
     assert ratio > 0.98 and guarded.outcomes[-1000:].count("drafting") == 0
-    assert guarded.payoff.ledger.discount(4, 4 / guarded.cost.plain_seconds(4)) < 0.7
+    # The drafts stood as expected: the loss is all in the seconds, a verifying step's third of them.
+    discount, surcharge = guarded.payoff._corrections(4, 4 / guarded.cost.plain_seconds(4))
+    assert discount > 0.9 and surcharge > 0.5e-3
     assert "losing" in guarded.payoff.summary(4)
     with monkeypatch.context() as patch:  # the same machine without the guard
-        patch.setattr(Ledger, "discount", lambda self, running, plain_rate: 1.0)
+        patch.setattr(DraftingPayoff, "_corrections", lambda self, running, plain_rate: (1.0, 0.0))
         unguarded = machine()
         assert unguarded.run(3000) < 0.97 and unguarded.outcomes[-1000:].count("drafting") > 100
 
 
-def test_the_ledger_discounts_gains_by_the_bias_only_where_drafting_lost():
+def test_the_ledger_corrects_gains_and_seconds_by_what_was_realized_only_where_drafting_lost():
     rate = 1000.0  # plain steps' tokens per second
     ledger = Ledger()
 
-    def losing_step():  # charged 2 tokens for 1 ms; realized 2 tokens for 4 ms
-        ledger.charged(4, 2.0, 1e-3)
-        ledger.stood(4, 2)
-        ledger.spent(4, 4e-3)
+    def book(charged_tokens, charged_seconds, stood, seconds):
+        ledger.charged(4, charged_tokens, charged_seconds)
+        ledger.stood(4, stood)
+        ledger.spent(4, seconds)
 
-    for _ in range(int(MIN_STEPS) - 1):
-        losing_step()
-    assert ledger.discount(4, rate) == 1.0  # too few steps to tell
+    for _ in range(int(MIN_STEPS) - 1):  # charged 2 tokens for 1 ms; realized 2 tokens for 4 ms
+        book(2.0, 1e-3, 2, 4e-3)
+    assert (ledger.discount(4, rate), ledger.surcharge(4, rate)) == (1.0, 0.0)  # too few steps to tell
     for _ in range(3):  # the memory's weights sum past MIN_STEPS
-        losing_step()
-    assert ledger.discount(4, rate) == pytest.approx(0.25)  # the same tokens at four times the seconds
-    assert ledger.discount(5, rate) == pytest.approx(0.25) and ledger.discount(8, rate) == 1.0  # per width
-    # Where the drafts that stood outweigh the plain tokens of the extra seconds, there is no discount,
+        book(2.0, 1e-3, 2, 4e-3)
+    # The tokens stood as charged; the seconds are 3 ms a step over the charge, added to every decision's.
+    assert ledger.discount(4, rate) == 1.0 and ledger.surcharge(4, rate) == pytest.approx(3e-3)
+    assert ledger.surcharge(5, rate) == pytest.approx(3e-3) and ledger.surcharge(8, rate) == 0.0  # per width
+    assert "losing: gains discounted to 100%, 3.00 ms added a step" in ledger.summary(4, rate)
+    # Where the drafts that stood outweigh the plain tokens of the extra seconds, nothing is corrected,
     # however far the predictions were off: the guard stops losses, it does not second-guess gains.
-    assert ledger.discount(4, rate / 4) == 1.0
-    # A loss far beyond the bias is held at FLOOR, so drafts that stand far more often can still draft.
+    assert (ledger.discount(4, rate / 4), ledger.surcharge(4, rate / 4)) == (1.0, 0.0)
+    assert "paying" in ledger.summary(4, rate / 4)
+    # Drafts that stand less often than charged discount the gains, down to FLOOR; a step realized under its
+    # charge adds nothing.
     for _ in range(100):
-        ledger.charged(4, 2.0, 1e-3)
-        ledger.stood(4, 0)
-        ledger.spent(4, 5e-3)
-    assert ledger.discount(4, rate) == FLOOR
+        book(2.0, 2e-3, 1, 1.5e-3)
+    assert ledger.discount(4, rate) == pytest.approx(0.5, abs=0.02) and ledger.surcharge(4, rate) == 0.0
+    for _ in range(100):
+        book(2.0, 1e-3, 0, 5e-3)
+    assert ledger.discount(4, rate) == FLOOR and ledger.surcharge(4, rate) == pytest.approx(4e-3, rel=0.05)
     # New steps outweigh old ones: the book remembers about the last MEMORY_STEPS.
     for _ in range(100):
-        ledger.charged(4, 2.0, 1e-3)
-        ledger.stood(4, 3)
-        ledger.spent(4, 1e-3)
-    assert ledger.discount(4, rate) == 1.0
+        book(2.0, 1e-3, 3, 1e-3)
+    assert (ledger.discount(4, rate), ledger.surcharge(4, rate)) == (1.0, 0.0)
 
 
 def test_drafts_per_sequence_follow_each_ones_acceptance():

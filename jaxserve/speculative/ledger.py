@@ -11,16 +11,21 @@ off: offline, they realized the tokens they were charged for, at four times the 
 step's read took 5-9 ms where warm-up had timed 2.6-4.7, and the step after it reads first as well).
 
 So every step that drafts (probes included) is booked, per width, as charged (the tokens it was expected
-to add and the seconds over a plain step its decision used, undiscounted) and as realized (the drafts that
+to add and the seconds over a plain step its decision used, uncorrected) and as realized (the drafts that
 stood; the periods it was served in, its own and the next one, which waits for it, over a plain step's
 predicted time). Over about the last `MEMORY_STEPS` steps booked:
 - where the drafts that stood outweigh the tokens plain steps would have made in the realized extra
-  seconds, drafting paid: no discount, however far the predictions were off;
-- where they do not, drafting lost, and every expected gain at that width is multiplied by the bias:
-  realized tokens per extra second over charged ones (at most 1, at least `FLOOR`). Predictions off by a
-  factor are then weighed as if they were not.
-Probes are booked too: where the discount keeps drafting off, they are what can show that it pays again
-(acceptance up, verify steps cheaper), and lift it. Too few steps booked (`MIN_STEPS`) tell nothing.
+  seconds, drafting paid: nothing is corrected, however far the predictions were off;
+- where they do not, drafting lost, and each side of a decision at that width is corrected by what it
+  realized: every expected gain is multiplied by the share of the charged tokens that stood (at most 1, at
+  least `FLOOR`), and every drafting step is priced at the seconds per booked step that drafting took
+  beyond those charged (the surcharge). The surcharge is added, not multiplied: what the predictions leave
+  out is mostly a fixed cost of drafting at all (the read-first step after it, a verifying step's slower
+  read), not one that grows with the drafts. Scaling the gains by the seconds' bias instead, held at 20%,
+  still let drafting through on stories260K at 4 streams, where it took 2-6.5 times the seconds charged
+  and served 0.94x speculation off.
+Probes are booked too: where the corrections keep drafting off, they are what can show that it pays again
+(acceptance up, verify steps cheaper), and lift them. Too few steps booked (`MIN_STEPS`) tell nothing.
 """
 
 from __future__ import annotations
@@ -46,15 +51,15 @@ class _Book:
         seconds (`plain_rate`: their tokens per second), or too few steps are booked to tell."""
         return self.steps < MIN_STEPS or self.tokens >= self.seconds * plain_rate
 
-    def bias(self) -> float:
-        """Realized tokens per extra second over charged ones (FLOOR..1)."""
-        if self.charged_tokens <= 0 or self.charged_seconds <= 0:
+    def token_share(self) -> float:
+        """Drafts that stood over the tokens charged (FLOOR..1)."""
+        if self.charged_tokens <= 0:
             return 1.0
-        # Realized extra seconds can come out at or under a plain step's (noise, or no cost at all): then
-        # the tokens alone decide, against a cost no lower than a tenth of the charged one.
-        seconds = max(self.seconds, 0.1 * self.charged_seconds)
-        realized = (self.tokens / self.charged_tokens) * (self.charged_seconds / seconds)
-        return min(max(realized, FLOOR), 1.0)
+        return min(max(self.tokens / self.charged_tokens, FLOOR), 1.0)
+
+    def surcharge(self) -> float:
+        """Seconds per booked step that drafting took beyond those charged (0 where it took no more)."""
+        return max(self.seconds - self.charged_seconds, 0.0) / self.steps if self.steps else 0.0
 
 
 class Ledger:
@@ -86,17 +91,29 @@ class Ledger:
         """Of the drafts a drafting step verified for a sequence, `tokens` stood."""
         self._book(running).tokens += tokens
 
-    def discount(self, running: int, plain_rate: float) -> float:
-        """What the expected gains at this width are multiplied by (FLOOR..1): the bias, where drafting
-        lost (`plain_rate`: plain steps' tokens per second at this width); 1 where it paid."""
+    def _losing(self, running: int, plain_rate: float) -> _Book | None:
         book = self._books.get(width_class(running))
-        return 1.0 if book is None or book.paid(plain_rate) else book.bias()
+        return None if book is None or book.paid(plain_rate) else book
+
+    def discount(self, running: int, plain_rate: float) -> float:
+        """What the expected gains at this width are multiplied by (FLOOR..1): the share of the charged
+        tokens that stood, where drafting lost (`plain_rate`: plain steps' tokens per second at this
+        width); 1 where it paid."""
+        book = self._losing(running, plain_rate)
+        return 1.0 if book is None else book.token_share()
+
+    def surcharge(self, running: int, plain_rate: float) -> float:
+        """Seconds added to the price of a drafting step at this width: what drafting took per step beyond
+        what it was charged, where it lost; 0 where it paid."""
+        book = self._losing(running, plain_rate)
+        return 0.0 if book is None else book.surcharge()
 
     def summary(self, running: int, plain_rate: float) -> str:
         book = self._books.get(width_class(running))
         if book is None or not book.charged_tokens:
             return "no drafting steps booked"
+        verdict = (f"losing: gains discounted to {self.discount(running, plain_rate):.0%}, "
+                   f"{self.surcharge(running, plain_rate) * 1e3:.2f} ms added a step"
+                   if self._losing(running, plain_rate) else "paying")
         return (f"drafting steps realized {book.tokens / book.charged_tokens:.0%} of the tokens and "
-                f"{book.seconds / max(book.charged_seconds, 1e-9):.0%} of the seconds charged, "
-                f"{'paying' if book.paid(plain_rate) else 'losing'}: gains discounted to "
-                f"{self.discount(running, plain_rate):.0%}")
+                f"{book.seconds / max(book.charged_seconds, 1e-9):.0%} of the seconds charged, {verdict}")

@@ -27,8 +27,9 @@ the machine, the width of the batch and each request's text, so it is priced eve
    probe-lengths of it.
 5. The guard (`ledger.py`): every step that drafts is booked as charged (what its decision expected) and
    as realized (the drafts that stood, the periods it took); at a width where drafting lost, the expected
-   gains are discounted by how far the realized fell short of the charged, so predictions biased the same
-   way every time stop costing throughput.
+   gains are discounted by the share of the charged tokens that stood, and drafting is priced at the extra
+   seconds it realized beyond those charged, so predictions biased the same way every time stop costing
+   throughput.
 6. The speculator counts each step's outcome (`OUTCOMES`): drafting, probe, or off and why.
 """
 
@@ -63,7 +64,7 @@ class Decision:
     drafting: bool  # read the step in flight first, then draft (a probe included)
     outcome: str  # a key of OUTCOMES
     gain: float = 0.0  # expected tokens the drafts add to the step, as predicted (before the ledger's discount)
-    seconds: float = 0.0  # the step's estimated extra time over a plain one
+    seconds: float = 0.0  # the step's estimated extra time over a plain one (before the ledger's surcharge)
 
 
 OFF = {reason: Decision(False, reason) for reason in ("unprofitable", "no_drafts", "measuring", "batch_size")}
@@ -146,17 +147,18 @@ class DraftingPayoff:
         if not self.cost.measured(running):
             return OFF["measuring"]
         plain = self.cost.plain_seconds(running)
-        discount = self.ledger.discount(running, running / plain)
-        _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain, 0.0)
+        discount, surcharge = self._corrections(running, running / plain)
+        _, gain, seconds = best_drafts(_discounted(expected, discount), running, self.cost, plain, surcharge)
         if gain and (running + gain) / seconds >= (1 + self.margin) * running / plain:
             if self.cost.stale(running):  # a few plain steps first: what drafting is weighed against
                 return OFF["measuring"]
-            return Decision(True, "drafting", gain / discount, seconds - plain)
-        # A probe: every draft verified, then a read-first step after it; charged at least a plain step,
-        # whatever the estimates say (they may be what is wrong).
+            return Decision(True, "drafting", gain / discount, seconds - surcharge - plain)
+        # A probe: every draft verified, then a read-first step after it (or what drafting steps realized
+        # beyond their charge, where the ledger knows more); charged at least a plain step, whatever the
+        # estimates say (they may be what is wrong).
         drafts = sum(len(row) for row in expected)
         excess = max(self.cost.drafting_seconds(running, drafts) - plain
-                     + self.cost.read_first_extra(running), plain)
+                     + max(self.cost.read_first_extra(running), surcharge), plain)
         self.budget = min(self.budget, excess)  # at most one probe's worth saved up
         if excess <= self.budget:
             self.budget -= excess
@@ -179,16 +181,22 @@ class DraftingPayoff:
         if planned.outcome == "measuring" or not self.cost.measured(running):
             return [0] * len(gains)  # plain steps, until they are measured
         baseline = self.cost.drafting_seconds(running, 0)
-        extra = 0.0 if planned.drafting else self.cost.read_first_extra(running)
         plain_rate = running / self.cost.plain_seconds(running)
-        discount = self.ledger.discount(running, plain_rate)
+        discount, surcharge = self._corrections(running, plain_rate)
+        extra = surcharge + (0.0 if planned.drafting else self.cost.read_first_extra(running))
         counts, gain, seconds = best_drafts(_discounted(gains, discount), running, self.cost, baseline, extra,
                                             plain_rate)
         if gain and advantage(running, gain, seconds, baseline, plain_rate) >= 1 + self.margin:
             if not planned.drafting:
-                self.ledger.charged(running, gain / discount, seconds - baseline)
+                self.ledger.charged(running, gain / discount, seconds - surcharge - baseline)
             return counts
         return [0] * len(gains)
+
+    def _corrections(self, running: int, plain_rate: float) -> tuple[float, float]:
+        """The ledger's discount of the gains and surcharge on the seconds at this width (1 and 0 where
+        drafting paid). The ledger is charged what the decision predicted without them: booked with them,
+        a surcharge would shrink the very gap it measures."""
+        return self.ledger.discount(running, plain_rate), self.ledger.surcharge(running, plain_rate)
 
 
 def _discounted(gains: Sequence[Sequence[float]], discount: float) -> Sequence[Sequence[float]]:
