@@ -247,7 +247,8 @@ def test_the_ledger_corrects_gains_and_seconds_by_what_was_realized_only_where_d
     # The tokens stood as charged; the seconds are 3 ms a step over the charge, added to every decision's.
     assert ledger.discount(4, rate) == 1.0 and ledger.surcharge(4, rate) == pytest.approx(3e-3)
     assert ledger.surcharge(5, rate) == pytest.approx(3e-3) and ledger.surcharge(8, rate) == 0.0  # per width
-    assert "losing: gains discounted to 100%, 3.00 ms added a step" in ledger.summary(4, rate)
+    assert ("4.00 ms a step over a plain one against 1.00 ms charged, losing: gains discounted to 100%, 3.00 ms "
+            "added a step") in ledger.summary(4, rate)
     # Where the drafts that stood outweigh the plain tokens of the extra seconds, nothing is corrected,
     # however far the predictions were off: the guard stops losses, it does not second-guess gains.
     assert (ledger.discount(4, rate / 4), ledger.surcharge(4, rate / 4)) == (1.0, 0.0)

@@ -115,5 +115,7 @@ class Ledger:
         verdict = (f"losing: gains discounted to {self.discount(running, plain_rate):.0%}, "
                    f"{self.surcharge(running, plain_rate) * 1e3:.2f} ms added a step"
                    if self._losing(running, plain_rate) else "paying")
-        return (f"drafting steps realized {book.tokens / book.charged_tokens:.0%} of the tokens and "
-                f"{book.seconds / max(book.charged_seconds, 1e-9):.0%} of the seconds charged, {verdict}")
+        # Seconds a step, not a ratio: a drafting step's charge can be next to nothing.
+        return (f"drafting steps realized {book.tokens / book.charged_tokens:.0%} of the tokens charged, and "
+                f"{book.seconds / book.steps * 1e3:.2f} ms a step over a plain one against "
+                f"{book.charged_seconds / book.steps * 1e3:.2f} ms charged, {verdict}")
