@@ -408,3 +408,35 @@ def test_a_speculator_standing_by_counts_and_times_each_step_without_proposing()
     proposed = speculator.proposed
     engine_step(speculator, running, 16, read_first=True)
     assert speculator.proposed == proposed + 1 and not speculator.standing_by
+
+
+def test_standing_by_the_probe_budget_still_grows_with_the_time_served(monkeypatch):
+    """Standing by, only one period in STANDBY_SAMPLE_PERIODS is timed; it stands for the others in the
+    probes' budget, so the seconds the payoff was told it served still follow the clock. A fake clock: each
+    step takes 1 ms, each reading of it 10 us more."""
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 1e-5
+            return self.now
+
+        monotonic = perf_counter
+
+    clock = Clock()
+    monkeypatch.setattr(speculator_module, "time", clock)
+    config = SpeculativeConfig("ngram", 2, prompt_lookup_min=2, prompt_lookup_max=2)
+    speculator = Speculator(config, NgramProposer(2, 2, 2), step_cost_model({4: 1e-3, 8: 1e-3, 16: 1.2e-3}))
+    running = [running_request(range(100 * s, 100 * s + 20)) for s in range(4)]
+    standing, start = 0, None
+    for step in range(400):
+        if step == 100:  # measured by now
+            start, served = clock.now, speculator.payoff.served_seconds
+        engine_step(speculator, running, 4)
+        standing += step >= 100 and speculator.standing_by
+        clock.now += 1e-3
+        for r in running:
+            r.token_ids.append(r.token_ids[-1] + 1)  # never an earlier n-gram
+            r.num_computed += 1
+    assert standing > 200  # of the last 300 steps
+    assert speculator.payoff.served_seconds - served == pytest.approx(clock.now - start, rel=0.05)

@@ -108,6 +108,7 @@ class Speculator:
         self._launched: tuple[int, bool, bool] | None = None
         self._in_flight: tuple[int, bool, bool] | None = None  # the step the next call waits for
         self._period_start: float | None = None
+        self._untimed = 0  # loop periods standing by since the last timed one (`_stand_by`)
         self._logged_at = time.monotonic()
         self._logged = (0, 0, 0, collections.Counter())
 
@@ -298,10 +299,11 @@ class Speculator:
     def _stand_by(self, running: Sequence[Request], launched, stats) -> None:
         """A step standing by (it neither read first nor proposed): counted, and only one loop period in
         STANDBY_SAMPLE_PERIODS timed (the clock is read at the end of the step before it and of its own),
-        which stands for the others in the probes' budget. The rest only shift the step in flight: on
-        stories260K at 4 streams, the full bookkeeping on every such step (two clock reads, the cost
-        model, the budget, the log's clock, about 10 us a step offline) made the server 3% slower than
-        standing by without it, because on CPU it takes a core from the device step it overlaps."""
+        which stands for those since the last timed one in the probes' budget. The rest only shift the
+        step in flight and count themselves: on stories260K at 4 streams, the full bookkeeping on every
+        such step (two clock reads, the cost model, the budget, the log's clock, about 10 us a step
+        offline) made the server 3% slower than standing by without it, because on CPU it takes a core
+        from the device step it overlaps."""
         self.proposals += 1
         self.acceptance.step()
         self.outcomes[self._planned.outcome] += 1
@@ -316,6 +318,7 @@ class Speculator:
             return
         self._in_flight, self._launched = self._launched, None
         self.cost.skip(False)
+        self._untimed += 1
         # The sampled period starts at this step's end; a period not timed from its start is not timed.
         self._period_start = time.perf_counter() if phase == STANDBY_SAMPLE_PERIODS - 1 else None
 
@@ -326,6 +329,7 @@ class Speculator:
         reading, self._in_flight, self._launched = self._in_flight, self._launched, None
         if running == 0:
             self._period_start = None
+            self._untimed = 0
             self.cost.idle()
             return
         sampled = self.proposals % PLANNING_SAMPLE_STEPS == 0
@@ -334,9 +338,11 @@ class Speculator:
         if self._period_start is not None and reading is not None:
             period = now - self._period_start
             self.cost.observe(period, read_first, running, *reading)
-            if self.payoff is not None:  # standing by, the sampled period stands for those not timed
-                self.payoff.served(period * (STANDBY_SAMPLE_PERIODS if self.standing_by else 1),
-                                   self._period_booked_at)
+            if self.payoff is not None:  # a timed period stands for those before it that were not
+                self.payoff.served(period * (1 + self._untimed), self._period_booked_at)
+            self._untimed = 0
+        elif reading is not None:  # the period after one standing by that was not timed from its start
+            self._untimed += 1
         self._period_start = now
 
     # ---- reporting --------------------------------------------------------------------------------------
