@@ -21,8 +21,9 @@ the machine, the width of the batch and each request's text, so it is priced eve
 4. Probes: where drafting does not pay by the estimates, it is tried now and then, so that estimates gone
    stale (acceptance rising, a verify step that got cheaper) can bring it back. A probe verifies every
    draft found. It is taken only when a budget allows: the budget grows by `PROBE_SHARE` of every second
-   served and pays each probe's predicted extra time (its step and the read-first step after it, with no
-   credit for the tokens it gains, and at least a plain step's time), holding at most one probe's worth.
+   served and pays each probe's predicted extra time (its step and the read-first step after it, or the
+   ledger's surcharge where that is more; no credit for the tokens it gains, and at least a plain step's
+   time), holding at most one probe's worth.
    So probes cost at most PROBE_SHARE of the serving time, and come about every 1 / PROBE_SHARE
    probe-lengths of it.
 5. The guard (`ledger.py`): every step that drafts is booked as charged (what its decision expected) and
