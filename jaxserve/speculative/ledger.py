@@ -112,9 +112,8 @@ class Ledger:
         book = self._books.get(width_class(running))
         if book is None or not book.charged_tokens:
             return "no drafting steps booked"
-        verdict = (f"losing: gains discounted to {self.discount(running, plain_rate):.0%}, "
-                   f"{self.surcharge(running, plain_rate) * 1e3:.2f} ms added a step"
-                   if self._losing(running, plain_rate) else "paying")
+        verdict = ("paying" if book.paid(plain_rate) else f"losing: gains discounted to {book.token_share():.0%}, "
+                   f"{book.surcharge() * 1e3:.2f} ms added a step")
         # Seconds a step, not a ratio: a drafting step's charge can be next to nothing.
         return (f"drafting steps realized {book.tokens / book.charged_tokens:.0%} of the tokens charged, and "
                 f"{book.seconds / book.steps * 1e3:.2f} ms a step over a plain one against "
