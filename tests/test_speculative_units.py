@@ -411,9 +411,9 @@ def test_a_speculator_standing_by_counts_and_times_each_step_without_proposing()
 
 
 def test_standing_by_the_probe_budget_still_grows_with_the_time_served(monkeypatch):
-    """Standing by, only one period in STANDBY_SAMPLE_PERIODS is timed; it stands for the others in the
-    probes' budget, so the seconds the payoff was told it served still follow the clock. A fake clock: each
-    step takes 1 ms, each reading of it 10 us more."""
+    """Standing by, only one period in STANDBY_SAMPLE_PERIODS is timed; it stands for the untimed ones before
+    it in the probes' budget, so the seconds the payoff was told it served still follow the clock. A fake
+    clock: each step takes 1 ms, each reading of it 10 us more."""
     class Clock:
         now = 0.0
 
