@@ -210,8 +210,9 @@ def test_drafting_that_loses_against_biased_predictions_is_stopped_by_what_it_re
     """Warm-up timed the verifying steps of the 8-token bucket and up at a third of what they cost while
     serving (on stories260K at 4 streams a verifying step's read took 5-9 ms against an idle step timed at
     2.6-4.7). The read-first residual learns part of it, not all: four sequences whose drafts stand 8
-    times in 10 drafted on a fifth of the steps and served 0.93-0.95x speculation off. The ledger books the
-    drafting steps' realized seconds at twice those charged, and its surcharge stops them."""
+    times in 10 drafted in bursts, on 4-14% of the steps (seeds 0-3), and served 0.95-0.98x speculation off.
+    The ledger books the drafting steps' realized seconds at twice those charged, and its surcharge stops
+    them."""
     verify = {bucket: seconds * (3 if bucket >= 8 else 1) for bucket, seconds in SMALL.items()}
 
     def machine() -> Machine:
@@ -227,7 +228,7 @@ def test_drafting_that_loses_against_biased_predictions_is_stopped_by_what_it_re
     with monkeypatch.context() as patch:  # the same machine without the guard
         patch.setattr(DraftingPayoff, "_corrections", lambda self, running, plain_rate: (1.0, 0.0))
         unguarded = machine()
-        assert unguarded.run(3000) < 0.97 and unguarded.outcomes[-1000:].count("drafting") > 100
+        assert unguarded.run(3000) < ratio - 0.015 and unguarded.outcomes.count("drafting") > 100
 
 
 def test_the_ledger_corrects_gains_and_seconds_by_what_was_realized_only_where_drafting_lost():
