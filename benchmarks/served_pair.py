@@ -27,7 +27,7 @@ import sys
 from jaxserve.bench import datasets, serve
 
 MIN_WAVES = 8  # a chunk's requests per stream at least
-MAX_CHUNKS = 8
+MAX_CHUNKS = 16
 
 
 def chunk_count(requests: int, concurrency: int) -> int:

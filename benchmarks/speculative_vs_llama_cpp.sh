@@ -40,11 +40,12 @@ source benchmarks/lib.sh  # wait_health
 model_dir() { if [ "$1" = stories260K ]; then echo ../shared/models/stories260K; else echo "$PR/models/$1"; fi; }
 prompt_len() { if [ "$1" = stories260K ]; then echo 64; else echo 128; fi; }
 max_len() { if [ "$1" = stories260K ]; then echo 512; else echo 1024; fi; }  # stories260K: 512 positions
-# Requests per level: max(128, 64c) for stories260K (8 chunks of at least 8 requests a stream, a second or
-# two each: 6-13 s a server a round; with 32c, 4 chunks at 4 and 16 streams, 3 s at 4, where most misses of
-# 0.97x fell), max(8, 2c) for the 124.7M model (one chunk: its steps are compute-bound and swing less).
+# Requests per level: max(256, 128c) for stories260K (16 chunks of 8-16 requests a stream, about a second each:
+# 12-26 s a server a round, so that a level's two rounds tell a 3% cost from the machine's noise: with
+# max(128, 32c), 3 s at 4 streams in 4 chunks, the A/A run's levels spread 0.94-1.12x), max(8, 2c) for the
+# 124.7M model (one chunk: its steps are compute-bound and swing less).
 requests() { [ -n "${REQUESTS:-}" ] && { echo "$REQUESTS"; return; }
-  local per=2 least=8; [ "$1" = stories260K ] && per=64 least=128
+  local per=2 least=8; [ "$1" = stories260K ] && per=128 least=256
   echo $(( per * $2 > least ? per * $2 : least )); }
 
 spec_counters() { # URL: drafted and accepted draft tokens, steps drafting or probing, all steps (0s without speculation)
