@@ -9,8 +9,9 @@
 # - random: random token prompts of side_by_side.sh's lengths (64 tokens for stories260K, 128 for 124.7M).
 # 64 greedy output tokens with ignore_eos, concurrency 1, 4 and 16 (llama-server: `jaxserve bench serve`, one call
 # a level; the ngram server's draft acceptance and steps drafting are read from its /metrics around each level).
-# Both jaxserve servers are up side by side (an idle one sleeps); each level's requests are cut into chunks
-# sent to one server and then the other, chunk by chunk (`benchmarks/served_pair.py`: on this 2-core machine
+# Both jaxserve servers are up side by side (an idle one sleeps), started afresh each round, which one first
+# alternating from round to round (the second started serves faster: below); each level's requests are cut
+# into chunks sent to one server and then the other, chunk by chunk (`benchmarks/served_pair.py`: on this 2-core machine
 # one run per server swung 0.84-1.26x between two identical servers, chunks in alternation 0.98-1.09x), the
 # first of each pair alternating from chunk to chunk, from level to level and from round to round, so that a
 # machine whose pace drifts favours neither. ROUNDS rounds (default 2).
@@ -138,8 +139,12 @@ for model in $MODELS; do
     for kind in $WORKLOADS; do load "$model" llama-server "$kind" 1; done
     kill $pid; wait $pid 2>/dev/null
   fi
-  serve_jaxserve jaxserve-off "$model"; serve_jaxserve jaxserve-ngram "$model"
   for round in $(seq 1 "$ROUNDS"); do
+    # Fresh servers each round, the one started first alternating: the server started second served 2% faster
+    # than the first in an A/A run with off first (all nine stories260K levels 1.02x), and 1-5% slower with
+    # the order swapped, so a fixed order biases every level; over two rounds the bias cancels.
+    if [ $((round % 2)) = 1 ]; then serve_jaxserve jaxserve-off "$model"; serve_jaxserve jaxserve-ngram "$model"
+    else serve_jaxserve jaxserve-ngram "$model"; serve_jaxserve jaxserve-off "$model"; fi
     pair=0  # a level's pair starts with off in odd rounds where the level before started with ngram
     for kind in $WORKLOADS; do
       for c in ${CONC//,/ }; do
@@ -147,8 +152,8 @@ for model in $MODELS; do
         pair=$((pair + 1))
       done
     done
+    stop_servers
   done
-  stop_servers
 done
 
 "$PY" benchmarks/speculative.py --summarize "$OUT"
